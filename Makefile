@@ -1,0 +1,46 @@
+# The README's commands. Each creates or reuses .venv and installs what it needs.
+#   make demo   the main job end to end (CPU by default)
+#   make test   all tests
+#   make bench  microbenchmarks (python bench/run.py)
+# GROUPED_EP_CUDA=0 builds the CPU kernels only (fast, for iteration).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export MAX_JOBS ?= 2
+export PYTHONUNBUFFERED := 1
+PYTEST_ARGS ?=
+
+.PHONY: venv cutlass build test demo bench lint clean
+
+$(VENV)/.deps: requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $@
+
+venv: $(VENV)/.deps
+
+third_party/cutlass/.version: third_party/fetch_cutlass.py | $(VENV)/.deps
+	$(PY) third_party/fetch_cutlass.py
+
+cutlass: third_party/cutlass/.version
+
+build: venv $(if $(filter 0,$(GROUPED_EP_CUDA)),,cutlass)
+	$(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(PY) -m ruff check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+demo: build
+	$(PY) -m grouped_ep.demo $(DEMO_ARGS)
+
+bench: build
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+lint: venv
+	$(PY) -m ruff check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
+	$(PY) -m ruff format --check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
+
+clean:
+	rm -rf build grouped_ep/_C*.so

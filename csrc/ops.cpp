@@ -1,0 +1,28 @@
+// Every grouped_ep schema, defined once. Backend files (cpu/, cuda/, io/) register
+// implementations only, with TORCH_LIBRARY_IMPL.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import grouped_ep._C` loads this library, which runs the registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+}
+
+TORCH_LIBRARY(grouped_ep, m) {
+  // ---- grouped GEMM -------------------------------------------------------------------------
+  // x: [T, K] rows grouped by expert; w: [E, K, N] (or [E, N, K] with trans_w); offs: [E] int32
+  // or int64 cumulative end offsets. Returns [T, N]; rows past offs[-1] are zero.
+  m.def("gemm(Tensor x, Tensor w, Tensor offs, bool trans_w=False) -> Tensor");
+  // Weight gradient, the "ragged K" product: out[g] = x_g^T @ dy_g ([E, K, N]), or
+  // dy_g^T @ x_g ([E, N, K]) with trans_w. Groups with no rows give exact zeros.
+  m.def("gemm_wgrad(Tensor x, Tensor dy, Tensor offs, bool trans_w=False) -> Tensor");
+
+  // ---- native reader (csrc/io) --------------------------------------------------------------
+  // Copies byte ranges of `path` into the storage of `out` (a contiguous CPU tensor), with
+  // `threads` parallel preads: range i is file bytes [src_offsets[i], src_offsets[i] + lengths[i])
+  // written at byte dst_offsets[i] of `out`. Returns the number of bytes read.
+  m.def("read_ranges(str path, Tensor(a!) out, int[] src_offsets, int[] dst_offsets, int[] lengths, int threads=8) -> int");
+}
