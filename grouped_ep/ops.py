@@ -38,7 +38,7 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor
     return _ops.gemm(x, local_weight(w), offs, trans_w)
 
 
-def _check_offs_meta(op: str, offs: Tensor, groups: int) -> None:
+def _check_offs_meta(op: str, offs: Tensor, groups: int, x: Tensor) -> None:
     torch._check(offs.dim() == 1, lambda: f"grouped_ep.{op}: offs must be 1-D [E], got {offs.dim()}-D")
     torch._check(
         offs.dtype in (torch.int32, torch.int64),
@@ -47,6 +47,10 @@ def _check_offs_meta(op: str, offs: Tensor, groups: int) -> None:
     torch._check(
         offs.shape[0] == groups,
         lambda: f"grouped_ep.{op}: offs has length {offs.shape[0]} but w has {groups} groups",
+    )
+    torch._check(
+        offs.device == x.device,
+        lambda: f"grouped_ep.{op}: offs is on {offs.device} but x is on {x.device}",
     )
 
 
@@ -57,9 +61,12 @@ def _gemm_fake(x: Tensor, w: Tensor, offs: Tensor, trans_w: bool = False) -> Ten
     torch._check(
         w.dtype == x.dtype, lambda: f"grouped_ep.gemm: w has dtype {w.dtype} but x has {x.dtype}"
     )
+    torch._check(
+        w.device == x.device, lambda: f"grouped_ep.gemm: w is on {w.device} but x is on {x.device}"
+    )
     k, n = (w.shape[2], w.shape[1]) if trans_w else (w.shape[1], w.shape[2])
     torch._check(k == x.shape[1], lambda: f"grouped_ep.gemm: x has K={x.shape[1]} but w has K={k}")
-    _check_offs_meta("gemm", offs, w.shape[0])
+    _check_offs_meta("gemm", offs, w.shape[0], x)
     return x.new_empty((x.shape[0], n))
 
 
@@ -111,7 +118,11 @@ def _gemm_wgrad_fake(x: Tensor, dy: Tensor, offs: Tensor, trans_w: bool = False)
         dy.shape[0] == x.shape[0],
         lambda: f"grouped_ep.gemm_wgrad: dy has {dy.shape[0]} rows but x has {x.shape[0]}",
     )
-    _check_offs_meta("gemm_wgrad", offs, offs.shape[0])
+    torch._check(
+        dy.device == x.device,
+        lambda: f"grouped_ep.gemm_wgrad: dy is on {dy.device} but x is on {x.device}",
+    )
+    _check_offs_meta("gemm_wgrad", offs, offs.shape[0], x)
     e, k, n = offs.shape[0], x.shape[1], dy.shape[1]
     return x.new_empty((e, n, k) if trans_w else (e, k, n))
 

@@ -1,0 +1,185 @@
+"""grouped_ep.gemm / gemm_wgrad on CPU against the fp64 per-group reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gemm_ref import GROUP_PATTERNS, assert_close, gemm_ref, make_case, offsets, wgrad_ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grouped_ep
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+DTYPE_IDS = ["fp32", "bf16", "fp16", "fp64"]
+
+
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("pattern", list(GROUP_PATTERNS))
+def test_forward_backward_match_reference(pattern, dtype, trans_w):
+    x, w, offs = make_case(pattern, k=48, n=40, dtype=dtype, trans_w=trans_w)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert out.shape == (x.shape[0], 40) and out.dtype == dtype
+    assert_close(out, gemm_ref(x, w, offs, trans_w), dtype)
+
+    dy = (torch.randn(out.shape, dtype=torch.float64) / 40**0.5).to(dtype)
+    out.backward(dy)
+    assert_close(x.grad, gemm_ref(dy, w, offs, not trans_w), dtype)
+    assert_close(w.grad, wgrad_ref(x, dy, offs, trans_w), dtype)
+    # Empty groups get exact-zero weight gradients.
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.all(w.grad[sizes == 0] == 0)
+    # Rows past offs[-1] give exact zeros, forward and backward.
+    used = int(offs[-1])
+    assert torch.all(out[used:] == 0) and torch.all(x.grad[used:] == 0)
+
+
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_large_groups_parallel_chunks(trans_w):
+    # Groups big enough to be split into several row chunks across threads.
+    x, w, offs = make_case("balanced", k=256, n=192, dtype=torch.float32, trans_w=trans_w)
+    sizes = [700, 3, 0, 1500]
+    offs = offsets(sizes)
+    x = torch.randn(sum(sizes), 256) / 16
+    w = torch.randn(4, 192, 256) if trans_w else torch.randn(4, 256, 192)
+    assert_close(grouped_ep.gemm(x, w, offs, trans_w=trans_w), gemm_ref(x, w, offs, trans_w), torch.float32)
+    dy = torch.randn(x.shape[0], 192) / 14
+    assert_close(
+        grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w),
+        wgrad_ref(x, dy, offs, trans_w),
+        torch.float32,
+        scale=10,
+    )
+
+
+def test_int64_offs_and_noncontiguous_inputs():
+    x, w, offs = make_case("unaligned", k=24, n=20, dtype=torch.float32, trans_w=False)
+    x_nc = x.t().contiguous().t()  # same values, column-major strides
+    w_nc = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not x_nc.is_contiguous() and not w_nc.is_contiguous()
+    out = grouped_ep.gemm(x_nc, w_nc, offs.long())
+    assert_close(out, gemm_ref(x, w, offs), torch.float32)
+    dy = torch.randn(x.shape[0], 40)[:, ::2]  # strided gradient
+    assert_close(grouped_ep.gemm_wgrad(x_nc, dy, offs.long()), wgrad_ref(x, dy, offs), torch.float32)
+
+
+def test_zero_sized_dims():
+    offs = offsets([0, 3, 2])
+    out = grouped_ep.gemm(torch.randn(5, 0), torch.randn(3, 0, 4), offs)
+    assert out.shape == (5, 4) and torch.all(out == 0)
+    out = grouped_ep.gemm(torch.randn(0, 6), torch.randn(3, 6, 4), offsets([0, 0, 0]))
+    assert out.shape == (0, 4)
+    dw = grouped_ep.gemm_wgrad(torch.randn(0, 6), torch.randn(0, 4), offsets([0, 0]))
+    assert dw.shape == (2, 6, 4) and torch.all(dw == 0)
+
+
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_gradcheck_fp64(trans_w):
+    x, w, offs = make_case("empty_group", k=6, n=5, dtype=torch.float64, trans_w=trans_w)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    fn = lambda a, b: grouped_ep.gemm(a, b, offs, trans_w=trans_w)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w))
+    assert torch.autograd.gradgradcheck(fn, (x, w))
+    dy = torch.randn(x.shape[0], 5, dtype=torch.float64, requires_grad=True)
+    wg = lambda a, b: grouped_ep.gemm_wgrad(a, b, offs, trans_w=trans_w)  # noqa: E731
+    assert torch.autograd.gradcheck(wg, (x, dy))
+
+
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_opcheck(trans_w):
+    x, w, offs = make_case("skewed", k=16, n=8, dtype=torch.float32, trans_w=trans_w)
+    torch.library.opcheck(torch.ops.grouped_ep.gemm.default, (x, w, offs, trans_w))
+    torch.library.opcheck(
+        torch.ops.grouped_ep.gemm.default,
+        (x.requires_grad_(True), w.requires_grad_(True), offs, trans_w),
+    )
+    dy = torch.randn(x.shape[0], 8)
+    torch.library.opcheck(torch.ops.grouped_ep.gemm_wgrad.default, (x.detach(), dy, offs, trans_w))
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    x, w, offs = make_case("unaligned", k=16, n=12, dtype=torch.float32, trans_w=True)
+
+    def layer(x, w, offs):
+        return torch.nn.functional.silu(grouped_ep.gemm(x, w, offs, trans_w=True)).sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    xe, we = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xc, wc = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss_e, loss_c = layer(xe, we, offs), compiled(xc, wc, offs)
+    loss_e.backward()
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(xc.grad, xe.grad)
+    torch.testing.assert_close(wc.grad, we.grad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    tail=st.integers(0, 4),
+    k=st.integers(1, 33),
+    n=st.integers(1, 33),
+    trans_w=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_property_random_shapes(sizes, tail, k, n, trans_w, dtype):
+    x = torch.randn(sum(sizes) + tail, k, dtype=dtype) / k**0.5
+    w = torch.randn(len(sizes), *((n, k) if trans_w else (k, n)), dtype=dtype)
+    offs = offsets(sizes)
+    assert_close(grouped_ep.gemm(x, w, offs, trans_w=trans_w), gemm_ref(x, w, offs, trans_w), dtype)
+    dy = torch.randn(x.shape[0], n, dtype=dtype) / n**0.5
+    assert_close(
+        grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w), wgrad_ref(x, dy, offs, trans_w), dtype
+    )
+
+
+# ---- bad input: each is a clear error naming the argument ----------------------------------------
+
+X, W, OFFS = torch.randn(10, 4), torch.randn(3, 4, 5), offsets([3, 3, 4])
+
+BAD_GEMM = {
+    "x_not_2d": ((torch.randn(10), W, OFFS), "x must be 2-D"),
+    "w_not_3d": ((X, torch.randn(4, 5), OFFS), "w must be 3-D"),
+    "k_mismatch": ((X, torch.randn(3, 6, 5), OFFS), "x has K=4"),
+    "dtype_mismatch": ((X, W.double(), OFFS), "w has dtype"),
+    "int_dtype": ((X.long(), W.long(), OFFS), "x must be bfloat16, float16 or float32"),
+    "offs_wrong_length": ((X, W, offsets([3, 7])), "offs has length 2"),
+    "offs_float": ((X, W, OFFS.float()), "offs must be int32 or int64"),
+    "offs_2d": ((X, W, OFFS.view(1, 3)), "offs must be 1-D"),
+    "offs_decreasing": ((X, W, torch.tensor([5, 3, 9], dtype=torch.int32)), "non-decreasing"),
+    "offs_negative": ((X, W, torch.tensor([-1, 3, 9], dtype=torch.int32)), "non-decreasing"),
+    "offs_past_T": ((X, W, offsets([3, 3, 5])), r"offs\[-1\]=11 is past the 10 rows of x"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_GEMM))
+def test_bad_input_gemm(case):
+    args, message = BAD_GEMM[case]
+    with pytest.raises(RuntimeError, match=message):
+        grouped_ep.gemm(*args)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((X, torch.randn(9, 5), OFFS), "dy has 9 rows but x has 10"),
+        ((X, torch.randn(10, 5).double(), OFFS), "dy has dtype"),
+        ((X, torch.randn(10, 5), offsets([4, 20])), r"offs\[-1\]=24 is past"),
+        ((X, torch.randn(10, 5, 1), OFFS), "dy must be 2-D"),
+    ],
+    ids=["rows_mismatch", "dtype_mismatch", "offs_past_T", "dy_not_2d"],
+)
+def test_bad_input_wgrad(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        grouped_ep.gemm_wgrad(*args)
+
+
+def test_bad_input_device_mismatch_named():
+    with pytest.raises(RuntimeError, match="w is on meta but x is on cpu|device"):
+        torch.ops.grouped_ep.gemm(X, W.to("meta"), OFFS, False)
