@@ -1,0 +1,171 @@
+"""grouped_ep microbenchmarks.
+
+    python bench/run.py                      # every suite on the default device (cuda if present)
+    python bench/run.py --suite gemm --quick # one suite, short
+    python bench/run.py --device cpu
+
+Each suite lives in bench/suites/<name>.py and defines `TITLE` and
+`run(device, quick, log) -> list[dict]` (one flat row per case, ratios against baselines measured
+in the same run). Results go to bench/results/<device>-<date>.{json,md} and one PNG per suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SUITES = ["gemm", "loader", "moe", "checkpoint"]
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def geomean(values: list[float]) -> float:
+    vals = [v for v in values if isinstance(v, (int, float)) and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def summary(rows: list[dict]) -> dict:
+    """Geometric mean and minimum of every ratio column (`*_x` / `x_*` / `ratio*`)."""
+    out = {}
+    for col in dict.fromkeys(k for r in rows for k in r):
+        if col.endswith("_x") or col.startswith("ratio"):
+            vals = [r[col] for r in rows if isinstance(r.get(col), (int, float))]
+            vals = [v for v in vals if math.isfinite(v)]
+            if vals:
+                out[col] = {"geomean": geomean(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def plot(suite: str, rows: list[dict], path: Path, title: str) -> bool:
+    """A bar chart of the ratio columns per case. Returns False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ratio_cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c.endswith("_x")]
+    if not rows or not ratio_cols:
+        return False
+    labels = [str(r.get("case", i)) for i, r in enumerate(rows)]
+    width = 0.8 / len(ratio_cols)
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows) + 3), 5))
+    for i, col in enumerate(ratio_cols):
+        vals = [float(r.get(col, float("nan"))) for r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], vals, width, label=col)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("ratio (higher is better for grouped_ep)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=SUITES + ["all"], default="all")
+    ap.add_argument("--quick", action="store_true", help="a short run: fewer cases and repeats")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible")
+
+    suites = SUITES if args.suite == "all" else [args.suite]
+    name = device_name(args.device)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    report = {
+        "device": name,
+        "device_type": args.device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": stamp.strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick,
+        "suites": {},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
+    md = [
+        f"# grouped_ep benchmarks\n\ndevice: {name}; torch {torch.__version__}; "
+        f"date: {report['date']}; quick: {args.quick}\n"
+    ]
+    for suite in suites:
+        module = importlib.import_module(f"suites.{suite}")
+        print(f"== {suite}: {module.TITLE}", flush=True)
+        t0 = time.perf_counter()
+        rows = module.run(args.device, args.quick, lambda msg, s=suite: print(f"[{s}] {msg}", flush=True))
+        seconds = time.perf_counter() - t0
+        summ = summary(rows)
+        report["suites"][suite] = {"title": module.TITLE, "rows": rows, "summary": summ, "seconds": seconds}
+        table = markdown_table(rows)
+        print(table)
+        for col, s in summ.items():
+            print(f"{col}: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}")
+        png = base.with_name(base.name + f"-{suite}.png")
+        has_png = plot(suite, rows, png, f"{module.TITLE} — {name}")
+        md.append(f"\n## {suite}: {module.TITLE}\n\n{table}")
+        if summ:
+            md.append("\n" + "\n".join(
+                f"- `{c}`: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}" for c, s in summ.items()
+            ) + "\n")
+        if has_png:
+            md.append(f"\n![{suite}]({png.name})\n")
+    base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+    base.with_suffix(".md").write_text("".join(md))
+    print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

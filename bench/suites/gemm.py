@@ -1,0 +1,146 @@
+"""Grouped GEMM: grouped_ep vs torch._grouped_mm, a per-expert torch.mm loop, and dense torch.mm
+at equal FLOPs, forward and forward+backward, balanced and Zipf-skewed routing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from suites._timing import median_seconds
+
+import grouped_ep
+
+TITLE = "grouped GEMM (GFLOP/s; *_x = grouped_ep speed / baseline speed)"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    experts: int
+    k: int
+    n: int
+    rows: int  # routed token rows (tokens x top-k)
+    trans_w: bool = True  # the Hugging Face layout [E, N, K]
+
+
+# Scaled for a 2-core CPU: a few wide experts, a middle case, many small groups.
+CPU_CASES = [
+    Case("E8-K1024-N1024", 8, 1024, 1024, 4096),
+    Case("E32-K512-N768", 32, 512, 768, 4096),
+    Case("E64-K256-N256", 64, 256, 256, 8192),
+    Case("E64-K256-N256-KN", 64, 256, 256, 8192, trans_w=False),
+]
+CPU_QUICK = [CPU_CASES[0], CPU_CASES[2]]
+
+# Expert projections of real MoE models (gate_up: K=hidden, N=2*inter; down: K=inter, N=hidden).
+def _gpu_cases(quick: bool) -> list[Case]:
+    models = [
+        ("qwen3-30b-a3b", 128, 2048, 768, 8),
+        ("deepseek-v3-ep8", 32, 7168, 2048, 1),  # 256 experts top-8 over EP=8: 32 local, ~T rows
+        ("mixtral-8x7b", 8, 4096, 14336, 2),
+        ("gpt-oss-120b", 128, 2880, 2880, 4),
+    ]
+    tokens = [4096, 16384] if quick else [4096, 16384, 65536]
+    out = []
+    for name, e, hidden, inter, top_k in models:
+        for t in tokens:
+            rows = t * top_k
+            out.append(Case(f"{name}-up-T{t}", e, hidden, 2 * inter, rows))
+            out.append(Case(f"{name}-down-T{t}", e, inter, hidden, rows))
+    return out
+
+
+def group_sizes(rows: int, experts: int, routing: str, seed: int = 0) -> list[int]:
+    if routing == "balanced":
+        return [rows // experts + (1 if i < rows % experts else 0) for i in range(experts)]
+    g = torch.Generator().manual_seed(seed)
+    p = torch.tensor([1.0 / (i + 1) ** 1.2 for i in range(experts)])
+    p = p[torch.randperm(experts, generator=g)]
+    picks = torch.multinomial(p, rows, replacement=True, generator=g)
+    return torch.bincount(picks, minlength=experts).tolist()
+
+
+def _impls(x, w, offs, ends, trans_w, dense_w):
+    """name -> callable(x, w) returning [T, N]."""
+
+    def ours(x, w):
+        return grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+
+    def grouped_mm(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2) if trans_w else w, offs=offs)
+
+    def loop(x, w):
+        outs, start = [], 0
+        for g, end in enumerate(ends):
+            outs.append(x[start:end] @ (w[g].t() if trans_w else w[g]))
+            start = end
+        return torch.cat(outs)
+
+    def dense(x, _w):
+        return x @ dense_w
+
+    return {"grouped_ep": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
+
+
+def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps: int) -> dict:
+    sizes = group_sizes(case.rows, case.experts, routing)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    x = (torch.randn(case.rows, case.k, device=device) / math.sqrt(case.k)).to(dtype)
+    wshape = (case.experts, case.n, case.k) if case.trans_w else (case.experts, case.k, case.n)
+    w = torch.randn(wshape, device=device).to(dtype)
+    dense_w = torch.randn(case.k, case.n, device=device).to(dtype)
+    dy = torch.randn(case.rows, case.n, device=device).to(dtype)
+    flops = 2.0 * case.rows * case.k * case.n * (3 if backward else 1)
+    row = {
+        "case": case.name,
+        "routing": routing,
+        "dtype": str(dtype).replace("torch.", ""),
+        "pass": "fwd+bwd" if backward else "fwd",
+        "max_group": max(sizes),
+        "empty_groups": sum(1 for s in sizes if s == 0),
+    }
+    gflops = {}
+    for name, fn in _impls(x, w, offs, ends, case.trans_w, dense_w).items():
+        xi = x.detach().requires_grad_(backward)
+        wi = (dense_w if name == "dense" else w).detach().requires_grad_(backward)
+
+        def step(fn=fn, xi=xi, wi=wi):
+            out = fn(xi, wi)
+            if backward:
+                xi.grad = wi.grad = None
+                out.backward(dy)
+
+        try:
+            seconds = median_seconds(step, device, reps=reps, warmup=1)
+            gflops[name] = flops / seconds / 1e9
+        except (RuntimeError, NotImplementedError) as e:  # a baseline that refuses the inputs
+            gflops[name] = float("nan")
+            row.setdefault("note", f"{name}: {str(e).splitlines()[0][:60]}")
+    for name, v in gflops.items():
+        row[f"{name}_gflops"] = v
+    for base in ("grouped_mm", "loop", "dense"):
+        row[f"vs_{base}_x"] = gflops["grouped_ep"] / gflops[base] if gflops[base] > 0 else float("nan")
+    return row
+
+
+def run(device: str, quick: bool, log) -> list[dict]:
+    if device.startswith("cuda"):
+        cases, dtypes, reps = _gpu_cases(quick), [torch.bfloat16, torch.float16], 10 if quick else 20
+    else:
+        cases, dtypes, reps = (CPU_QUICK if quick else CPU_CASES), [torch.float32], 3 if quick else 7
+    rows = []
+    plan = [
+        (c, r, d, b)
+        for c in cases
+        for r in ("balanced", "zipf")
+        for d in dtypes
+        for b in (False, True)
+    ]
+    if not device.startswith("cuda") and not quick:
+        plan += [(CPU_CASES[2], "balanced", torch.bfloat16, b) for b in (False, True)]
+    for i, (case, routing, dtype, backward) in enumerate(plan, 1):
+        log(f"{i}/{len(plan)} {case.name} {routing} {dtype} {'fwd+bwd' if backward else 'fwd'}")
+        rows.append(_measure(case, routing, dtype, device, backward, reps))
+    return rows
