@@ -1,6 +1,8 @@
 """grouped_ep: grouped GEMM, sharded loading and checkpoints for expert-parallel MoE on FSDP2."""
 
-from grouped_ep import _C  # noqa: F401  (loads the library: registers torch.ops.grouped_ep.*)
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
+from grouped_ep import _C  # noqa: F401, I001  (registers torch.ops.grouped_ep.*)
 from grouped_ep.ops import gemm, gemm_wgrad
 
 __all__ = ["gemm", "gemm_wgrad", "load_sharded", "LoadReport", "LoadError"]
