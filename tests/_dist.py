@@ -1,0 +1,131 @@
+"""Run a function on N gloo ranks (CPU processes) with a deadline; collect what each returns.
+
+    from _dist import run_ranks          # tests/ is on sys.path under pytest
+
+    def body(rank: int, world_size: int, n: int) -> float:   # module level: it is pickled
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)
+        return t.sum().item()
+
+    results = run_ranks(body, 2, 3, timeout=120)   # [3.0, 3.0], one entry per rank
+
+Each rank is a fresh spawned process with the default process group already initialized (gloo,
+a free TCP port on localhost) and one intra-op thread (the CI machine has few cores). `fn` is
+called as `fn(rank, world_size, *args)`; its return value must be picklable (tensors included:
+they come back by value). When a rank raises,
+the other ranks are killed and `RankError` is raised with that rank's traceback; when the
+deadline passes, every rank is killed and `TimeoutError` is raised. No rank can outlive the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its rank and traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        # Plain pickle, not the queue's: tensors travel as bytes instead of shared-memory
+        # handles that die with this process.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's result.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes.
+        args: picklable extra arguments, the same for every rank.
+        timeout: seconds for the whole run (startup included) before every rank is killed.
+
+    Returns:
+        A list with rank r's return value at index r.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, timeout, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    values: dict[int, Any] = {}
+    try:
+        while len(values) < world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise TimeoutError(
+                    f"run_ranks({fn.__name__}): ranks {missing} did not finish within {timeout} s"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in values and not p.is_alive() and p.exitcode not in (0, None)
+                ]
+                if dead and results.empty():
+                    raise RankError(
+                        f"run_ranks({fn.__name__}): rank {dead[0]} died with exit code "
+                        f"{procs[dead[0]].exitcode} before reporting"
+                    ) from None
+                continue
+            if not ok:
+                raise RankError(f"run_ranks({fn.__name__}): rank {rank} raised:\n{value}")
+            values[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(values) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,272 @@
+"""Single-process checkpoint tests: layout and atomic commit, compact files for views, bad
+input, the `inspect` command, and export to Hugging Face (loaded back with transformers)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_dist import tiny_qwen3_moe
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from grouped_ep import checkpoint as ck
+from grouped_ep.__main__ import main as cli
+from grouped_ep._ckpt_hf import parse_size, split_expert_tensor
+
+
+class Small(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.experts = nn.Parameter(torch.randn(4, 6, 5, generator=g))
+        self.dense = nn.Linear(5, 3)
+        with torch.no_grad():
+            self.dense.weight.copy_(torch.randn(3, 5, generator=g))
+
+
+def _trained(seed: int = 0) -> tuple[Small, torch.optim.Optimizer]:
+    model = Small(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    torch.einsum(
+        "eab,b->ea", model.experts, model.dense(torch.ones(5)).sum() * torch.ones(5)
+    ).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _disk_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.distcp"))
+
+
+def test_layout_latest_and_roundtrip(tmp_path: Path) -> None:
+    model, opt = _trained()
+    rng = torch.get_rng_state()
+    path = ck.save(tmp_path, model, opt, extra={"step": 7, "rng": rng, "sched": {"last": 7}})
+    assert path == tmp_path / "step-00000007"
+    assert (tmp_path / "latest").read_text() == "step-00000007\n"
+    assert sorted(p.name for p in path.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "extra-rank00000.pt",
+        "grouped_ep.json",
+    ]
+    manifest = json.loads((path / "grouped_ep.json").read_text())
+    assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["has_optimizer"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+    fresh, fresh_opt = _trained(seed=1)
+    extra = ck.load(tmp_path, fresh, fresh_opt)  # the root: follows `latest`
+    assert extra["step"] == 7 and extra["sched"] == {"last": 7} and torch.equal(extra["rng"], rng)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, fresh_opt.state[q][k]), (name, k)
+
+    # Without a step: one more than the highest; the same step again replaces it.
+    assert ck.save(tmp_path, model).name == "step-00000008"
+    with torch.no_grad():
+        model.experts.fill_(3.0)
+    assert ck.save(tmp_path, model, step=7) == path
+    assert ck.load(path, fresh) is None  # no extra in the new step-7
+    assert torch.equal(fresh.experts, torch.full((4, 6, 5), 3.0))
+    assert ck.resolve(tmp_path) == path and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_views_of_one_buffer_are_written_compactly(tmp_path: Path) -> None:
+    """A view written with torch.save carries its whole storage; checkpoints must not."""
+    buffer = torch.randn(16_000_000)  # 64 MB
+    model = nn.Module()
+    model.a = nn.Parameter(buffer[:6_000_000].view(3000, 2000))
+    model.b = nn.Parameter(buffer[6_000_000:12_000_000].view(2000, 3000).T)  # not contiguous
+    model.c = nn.Parameter(buffer[12_000_000:13_000_000].view(10, 100, 1000)[:, ::2])  # strided
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert unique >= 50e6
+    whole = tmp_path / "view.pt"
+    torch.save(model.c.detach(), whole)
+    assert whole.stat().st_size > 0.9 * buffer.nbytes  # the hazard is real
+
+    path = ck.save(tmp_path / "ckpt", model)
+    assert _disk_bytes(path) <= 1.02 * unique, (_disk_bytes(path), unique)
+    loaded = nn.Module()
+    for name, p in model.named_parameters():
+        setattr(loaded, name, nn.Parameter(torch.zeros_like(p)))
+    ck.load(path, loaded)
+    for name, p in model.named_parameters():
+        assert torch.equal(getattr(loaded, name), p), name
+
+    # The planner itself hands the writer compact tensors, whatever writer DCP uses.
+    planner = ck._CompactSavePlanner()
+    planner.set_up_planner({"c": model.c.detach()}, is_coordinator=True)
+    (item,) = planner.create_local_plan().items
+    data = planner.resolve_data(item)
+    assert data.untyped_storage().nbytes() == data.nbytes and torch.equal(data, model.c)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    model, opt = _trained()
+    return ck.save(tmp_path / "root", model, opt, extra={"step": 1})
+
+
+def _load_fails(path: Path, *needles: str) -> None:
+    model, opt = _trained(seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load(path, model, opt)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    for k, v in model.state_dict().items():  # a failed load leaves the model as it was
+        assert torch.equal(v, before[k]), k
+
+
+def test_missing_metadata_is_named(saved: Path) -> None:
+    (saved / ".metadata").unlink()
+    _load_fails(saved, str(saved), ".metadata")
+    _load_fails(saved.parent, ".metadata")
+
+
+def test_missing_data_file_is_named(saved: Path) -> None:
+    (saved / "__0_0.distcp").unlink()
+    _load_fails(saved, "__0_0.distcp", "missing")
+
+
+def test_truncated_data_file_is_named(saved: Path) -> None:
+    data = saved / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    _load_fails(saved.parent, "__0_0.distcp", "truncated")
+
+
+def test_truncated_metadata_and_dangling_latest(saved: Path) -> None:
+    meta = saved / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    _load_fails(saved, "cannot read .metadata")
+    shutil.rmtree(saved)
+    _load_fails(saved.parent, "latest names step-00000001, which does not exist")
+    _load_fails(saved.parent / "nowhere", "does not exist")
+
+
+def test_model_that_does_not_fit_is_named(saved: Path) -> None:
+    model = Small()
+    model.experts = nn.Parameter(torch.zeros(5, 6, 5))  # 5 experts, the checkpoint has 4
+    with pytest.raises(ck.CheckpointError, match=r"model.experts: checkpoint has global shape"):
+        ck.load(saved, model)
+    model.extra_weight = nn.Parameter(torch.zeros(2))
+    with pytest.raises(ck.CheckpointError, match="model.extra_weight: not in the checkpoint"):
+        ck.load(saved, model)
+
+
+def test_inspect_lists_chunks_and_checks_coverage(saved: Path, capsys) -> None:
+    assert cli(["inspect", str(saved.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "model.experts  float32  [4, 6, 5]" in out
+    assert "[0:4, 0:6, 0:5]  __0_0.distcp @" in out
+    assert "OK: every element of every tensor is saved exactly once" in out
+
+    # Tamper with the metadata: an overlap (two chunks claim row 1) and a gap (rows 2:4).
+    meta_path = saved / ".metadata"
+    meta = pickle.loads(meta_path.read_bytes())
+    experts = meta.state_dict_metadata["model.experts"]
+    experts.chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([0, 0, 0]), sizes=torch.Size([2, 6, 5])),
+        ChunkStorageMetadata(offsets=torch.Size([1, 0, 0]), sizes=torch.Size([1, 6, 5])),
+    ]
+    meta_path.write_bytes(pickle.dumps(meta))
+    assert cli(["inspect", str(saved)]) == 1
+    captured = capsys.readouterr()
+    assert "model.experts: chunks at [0, 0, 0] and [1, 0, 0] overlap" in captured.out
+    assert "problem(s)" in captured.err
+    experts.chunks = experts.chunks[:1]
+    meta_path.write_bytes(pickle.dumps(meta))
+    assert cli(["inspect", str(saved)]) == 1
+    assert "model.experts: chunks cover 60 of 120 elements" in capsys.readouterr().out
+    with pytest.raises(ck.CheckpointError, match="a gap"):
+        ck.load(saved, Small())
+
+    assert cli(["inspect", str(saved.parent / "nowhere")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_inspect_command_line(saved: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "grouped_ep", "inspect", "--summary", str(saved.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "optim.state.experts.exp_avg  float32  [4, 6, 5]" in run.stdout
+    (saved / "__0_0.distcp").unlink()
+    run = subprocess.run(
+        [sys.executable, "-m", "grouped_ep", "inspect", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert "data file __0_0.distcp is missing" in run.stdout
+
+
+def test_split_expert_tensor_order_and_rows() -> None:
+    e, inter, h = 12, 3, 4
+    gate_up = torch.arange(float(e * 2 * inter * h)).reshape(e, 2 * inter, h)
+    pieces = split_expert_tensor("model.layers.0.mlp.experts.gate_up_proj", gate_up)
+    keys = [k for k, _ in pieces]
+    assert keys[18:22] == [  # numeric order: 9 before 10
+        "model.layers.0.mlp.experts.9.gate_proj.weight",
+        "model.layers.0.mlp.experts.9.up_proj.weight",
+        "model.layers.0.mlp.experts.10.gate_proj.weight",
+        "model.layers.0.mlp.experts.10.up_proj.weight",
+    ]
+    pieces = dict(pieces)
+    assert torch.equal(pieces["model.layers.0.mlp.experts.10.gate_proj.weight"], gate_up[10, :3])
+    assert torch.equal(pieces["model.layers.0.mlp.experts.10.up_proj.weight"], gate_up[10, 3:])
+    down = torch.randn(e, h, inter)
+    assert torch.equal(
+        dict(split_expert_tensor("x.down_proj", down))["x.11.down_proj.weight"], down[11]
+    )
+    assert split_expert_tensor("x.gate_up_proj", torch.zeros(4, 5)) is None
+    with pytest.raises(ValueError, match="dim 1 must be 2\\*I"):
+        split_expert_tensor("x.gate_up_proj", torch.zeros(2, 5, 4))
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("5 parsecs")
+
+
+def test_export_hf_loads_in_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_qwen3_moe(seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(tokens, labels=tokens).loss.backward()
+    opt.step()
+    model.eval()
+
+    index_path = ck.export_hf(model, tmp_path / "hf")
+    index = json.loads(index_path.read_text())
+    keys = list(index["weight_map"])
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys
+    assert not any(k.endswith("gate_up_proj") for k in keys)
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
+
+    # grouped_ep's own loader stacks the per-expert keys back into the fused params.
+    from grouped_ep import load_sharded
+
+    other = tiny_qwen3_moe(seed=4)
+    report = load_sharded(other, tmp_path / "hf")
+    assert not report.unused_keys and not report.missing, report
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
