@@ -9,6 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
 export PYTHONUNBUFFERED := 1
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 PYTEST_ARGS ?=
 
 .PHONY: venv cutlass build test demo bench lint clean

@@ -31,7 +31,9 @@ def _find_cuda_home() -> str | None:
     candidates = []
     if nvcc:
         candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
-    candidates += [Path("/usr/local/cuda")] + sorted(Path("/usr/local").glob("cuda-*"), reverse=True)
+    candidates += [Path("/usr/local/cuda")] + sorted(
+        Path("/usr/local").glob("cuda-*"), reverse=True
+    )
     for home in candidates:
         if (home / "bin" / "nvcc").exists() and any((home / "lib64").glob("libcudart.so*")):
             return str(home)

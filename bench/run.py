@@ -102,7 +102,9 @@ def plot(suite: str, rows: list[dict], path: Path, title: str) -> bool:
         vals = [float(r.get(col, float("nan"))) for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], vals, width, label=col)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=60, ha="right", fontsize=7
+    )
     ax.set_ylabel("ratio (higher is better for grouped_ep)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
@@ -113,7 +115,9 @@ def plot(suite: str, rows: list[dict], path: Path, title: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--suite", choices=SUITES + ["all"], default="all")
     ap.add_argument("--quick", action="store_true", help="a short run: fewer cases and repeats")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -144,10 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"suites.{suite}")
         print(f"== {suite}: {module.TITLE}", flush=True)
         t0 = time.perf_counter()
-        rows = module.run(args.device, args.quick, lambda msg, s=suite: print(f"[{s}] {msg}", flush=True))
+        rows = module.run(
+            args.device, args.quick, lambda msg, s=suite: print(f"[{s}] {msg}", flush=True)
+        )
         seconds = time.perf_counter() - t0
         summ = summary(rows)
-        report["suites"][suite] = {"title": module.TITLE, "rows": rows, "summary": summ, "seconds": seconds}
+        report["suites"][suite] = {
+            "title": module.TITLE,
+            "rows": rows,
+            "summary": summ,
+            "seconds": seconds,
+        }
         table = markdown_table(rows)
         print(table)
         for col, s in summ.items():
@@ -156,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         has_png = plot(suite, rows, png, f"{module.TITLE} — {name}")
         md.append(f"\n## {suite}: {module.TITLE}\n\n{table}")
         if summ:
-            md.append("\n" + "\n".join(
-                f"- `{c}`: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}" for c, s in summ.items()
-            ) + "\n")
+            md.append(
+                "\n"
+                + "\n".join(
+                    f"- `{c}`: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}"
+                    for c, s in summ.items()
+                )
+                + "\n"
+            )
         if has_png:
             md.append(f"\n![{suite}]({png.name})\n")
     base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))

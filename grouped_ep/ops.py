@@ -39,7 +39,9 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor
 
 
 def _check_offs_meta(op: str, offs: Tensor, groups: int, x: Tensor) -> None:
-    torch._check(offs.dim() == 1, lambda: f"grouped_ep.{op}: offs must be 1-D [E], got {offs.dim()}-D")
+    torch._check(
+        offs.dim() == 1, lambda: f"grouped_ep.{op}: offs must be 1-D [E], got {offs.dim()}-D"
+    )
     torch._check(
         offs.dtype in (torch.int32, torch.int64),
         lambda: f"grouped_ep.{op}: offs must be int32 or int64, got {offs.dtype}",

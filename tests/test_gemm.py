@@ -45,7 +45,9 @@ def test_large_groups_parallel_chunks(trans_w):
     offs = offsets(sizes)
     x = torch.randn(sum(sizes), 256) / 16
     w = torch.randn(4, 192, 256) if trans_w else torch.randn(4, 256, 192)
-    assert_close(grouped_ep.gemm(x, w, offs, trans_w=trans_w), gemm_ref(x, w, offs, trans_w), torch.float32)
+    assert_close(
+        grouped_ep.gemm(x, w, offs, trans_w=trans_w), gemm_ref(x, w, offs, trans_w), torch.float32
+    )
     dy = torch.randn(x.shape[0], 192) / 14
     assert_close(
         grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w),
@@ -63,7 +65,9 @@ def test_int64_offs_and_noncontiguous_inputs():
     out = grouped_ep.gemm(x_nc, w_nc, offs.long())
     assert_close(out, gemm_ref(x, w, offs), torch.float32)
     dy = torch.randn(x.shape[0], 40)[:, ::2]  # strided gradient
-    assert_close(grouped_ep.gemm_wgrad(x_nc, dy, offs.long()), wgrad_ref(x, dy, offs), torch.float32)
+    assert_close(
+        grouped_ep.gemm_wgrad(x_nc, dy, offs.long()), wgrad_ref(x, dy, offs), torch.float32
+    )
 
 
 def test_zero_sized_dims():

@@ -25,19 +25,30 @@ def fetch(force: bool = False) -> Path:
         print(f"third_party/cutlass: CUTLASS {VERSION} headers already present")
         return DEST
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", tmp, f"nvidia-cutlass=={VERSION}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            f"nvidia-cutlass=={VERSION}",
+        ]
         print("third_party/cutlass:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         wheels = list(Path(tmp).glob("nvidia_cutlass-*.whl"))
         if len(wheels) != 1:
-            sys.exit(f"third_party/cutlass: expected one nvidia_cutlass wheel in {tmp}, found {wheels}")
+            sys.exit(
+                f"third_party/cutlass: expected one nvidia_cutlass wheel in {tmp}, found {wheels}"
+            )
         count = 0
         with zipfile.ZipFile(wheels[0]) as zf:
             for name in zf.namelist():
                 if not name.startswith(PREFIX) or name.endswith("/"):
                     continue
-                rel = name[len(PREFIX):]
+                rel = name[len(PREFIX) :]
                 if not rel.startswith(KEEP):
                     continue
                 out = DEST / rel
@@ -52,6 +63,8 @@ def fetch(force: bool = False) -> Path:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--force", action="store_true", help="extract again even if present")
     fetch(ap.parse_args().force)

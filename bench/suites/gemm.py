@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from suites._timing import median_seconds
 
 import grouped_ep
+from suites._timing import median_seconds
 
 TITLE = "grouped GEMM (GFLOP/s; *_x = grouped_ep speed / baseline speed)"
 
@@ -32,6 +32,7 @@ CPU_CASES = [
     Case("E64-K256-N256-KN", 64, 256, 256, 8192, trans_w=False),
 ]
 CPU_QUICK = [CPU_CASES[0], CPU_CASES[2]]
+
 
 # Expert projections of real MoE models (gate_up: K=hidden, N=2*inter; down: K=inter, N=hidden).
 def _gpu_cases(quick: bool) -> list[Case]:
@@ -121,15 +122,25 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
     for name, v in gflops.items():
         row[f"{name}_gflops"] = v
     for base in ("grouped_mm", "loop", "dense"):
-        row[f"vs_{base}_x"] = gflops["grouped_ep"] / gflops[base] if gflops[base] > 0 else float("nan")
+        row[f"vs_{base}_x"] = (
+            gflops["grouped_ep"] / gflops[base] if gflops[base] > 0 else float("nan")
+        )
     return row
 
 
 def run(device: str, quick: bool, log) -> list[dict]:
     if device.startswith("cuda"):
-        cases, dtypes, reps = _gpu_cases(quick), [torch.bfloat16, torch.float16], 10 if quick else 20
+        cases, dtypes, reps = (
+            _gpu_cases(quick),
+            [torch.bfloat16, torch.float16],
+            10 if quick else 20,
+        )
     else:
-        cases, dtypes, reps = (CPU_QUICK if quick else CPU_CASES), [torch.float32], 3 if quick else 7
+        cases, dtypes, reps = (
+            (CPU_QUICK if quick else CPU_CASES),
+            [torch.float32],
+            3 if quick else 7,
+        )
     rows = []
     plan = [
         (c, r, d, b)

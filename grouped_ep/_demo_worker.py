@@ -1,0 +1,164 @@
+"""One rank of `python -m grouped_ep.demo` (started by torchrun): train, or resume and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from grouped_ep.demo import GLOBAL_BATCH, SEQ, TEXT, factor
+
+
+def tokens() -> torch.Tensor:
+    return torch.tensor(list(TEXT.encode()), dtype=torch.long)
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share (sequences rank, rank + world, ...) of the step's global batch."""
+    data = tokens()
+    g = torch.Generator().manual_seed(1000 + step)
+    starts = torch.randint(0, len(data) - SEQ - 1, (GLOBAL_BATCH,), generator=g)[rank::world]
+    seqs = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def eval_batch() -> torch.Tensor:
+    return tokens()[: 2 * SEQ].view(2, SEQ)
+
+
+def num_experts(config) -> int:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    raise ValueError(f"demo: {type(config).__name__} names no expert count")
+
+
+def init_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (rotary `inv_freq`): no checkpoint holds them, and
+    after a meta-device build they are meta (or garbage after `to_empty`). A module with a
+    `config` is rebuilt from it on `device` and its non-persistent buffers taken."""
+    for module in model.modules():
+        names = [
+            n
+            for n, _ in module.named_buffers(recurse=False)
+            if n in module._non_persistent_buffers_set
+        ]
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise RuntimeError(f"demo: cannot recompute buffers {names} of {type(module).__name__}")
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name in names:
+            setattr(module, name, getattr(fresh, name))
+
+
+class Progress:
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled, self.t0 = total, label, enabled, time.perf_counter()
+
+    def step(self, i: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        done = int(20 * i / self.total)
+        rate = (time.perf_counter() - self.t0) / i
+        print(
+            f"{self.label} step {i:3d}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
+            f"loss {loss:.4f}  {rate:.2f} s/step",
+            flush=True,
+        )
+
+
+def worker(args) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import grouped_ep.hf as ge_hf
+    from grouped_ep import checkpoint, load_sharded
+    from grouped_ep.parallel import apply_expert_parallel, make_mesh
+
+    cuda = args.device == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if GLOBAL_BATCH % world:
+        sys.exit(f"demo: the world size {world} must divide the global batch {GLOBAL_BATCH}")
+    out = Path(args.out)
+    config = AutoConfig.from_pretrained(args.checkpoint)
+    dp, ep = factor(world, getattr(args, "ep", None), num_experts(config))
+    mesh = make_mesh(dp, ep, device_type=device.type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.set_experts_implementation(ge_hf.IMPLEMENTATION)
+    summary: dict = {}
+
+    if args.worker == "train":
+        apply_expert_parallel(model, mesh["ep"])  # experts: Shard(0) DTensors, still on meta
+        report = load_sharded(model, args.checkpoint, device=device)  # only this rank's bytes
+        init_nonpersistent_buffers(model, device)
+        ge_hf.parallelize(model, mesh)
+        reports = [None] * world
+        dist.all_gather_object(reports, {"rank": rank, **vars(report)})
+        summary["train"] = {"world": world, "dp": dp, "ep": ep, "load": reports}
+    else:
+        ge_hf.parallelize(model, mesh)
+        model.to_empty(device=device)
+        init_nonpersistent_buffers(model, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    first_step = 0
+    if args.worker == "resume":
+        t0 = time.perf_counter()
+        extra = checkpoint.load(out / "ckpt", model, optimizer)
+        first_step = extra["step"]
+        summary = json.loads((out / "summary.json").read_text()) if rank == 0 else {}
+        summary["resume"] = {
+            "world": world,
+            "dp": dp,
+            "ep": ep,
+            "load_seconds": time.perf_counter() - t0,
+        }
+
+    losses = []
+    progress = Progress(args.steps, args.worker, rank == 0)
+    model.train()
+    for i in range(1, args.steps + 1):
+        inputs, labels = batch(first_step + i, rank, world)
+        logits = model(input_ids=inputs.to(device)).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world)
+        progress.step(i, losses[-1])
+    phase = summary[args.worker]
+    phase["losses"] = losses
+
+    if args.worker == "train":
+        t0 = time.perf_counter()
+        checkpoint.save(out / "ckpt", model, optimizer, extra={"step": args.steps})
+        phase["save_seconds"] = time.perf_counter() - t0
+    else:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=eval_batch().to(device)).logits
+        if rank == 0:
+            torch.save(logits.float().cpu(), out / "logits.pt")
+        t0 = time.perf_counter()
+        checkpoint.export_hf(model, out / "hf_export")
+        summary["export"] = {"seconds": time.perf_counter() - t0}
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,231 @@
+"""The whole journey, end to end: `make demo` / `python -m grouped_ep.demo`.
+
+1. Make a tiny but real Hugging Face Qwen3-MoE checkpoint with transformers `save_pretrained`
+   (several shard files), or take yours with `--checkpoint DIR`.
+2. Launch `--world-size` ranks with torchrun (gloo on CPU, NCCL on GPU). Each rank builds the
+   model on the meta device, shards its experts over the EP mesh, reads only its own bytes with
+   `load_sharded`, applies FSDP2 with `fully_shard_moe`, and trains `--steps` steps on a small
+   built-in text (byte-level tokens), then saves a distributed checkpoint.
+3. Resume at `--resume-world-size` ranks (another EP/FSDP layout), train `--resume-steps` more,
+   export to the Hugging Face layout.
+4. Reload the export with plain transformers and compare its logits with the trained model's.
+5. Print a summary table.
+
+The global batch is the same at every world size (rank r takes sequences r, r + W, ...), so the
+loss curve continues across the resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TEXT = (
+    "Mixture-of-Experts models route each token to a few experts. Expert parallelism places "
+    "different experts on different ranks, so every rank must hold its own experts and no "
+    "other rank's. A loader that broadcasts rank zero's tensors gives every rank the same "
+    "experts and the run trains on the wrong weights without any error. Checkpoints must "
+    "record how each tensor was sharded, hold each byte once, and load again on another "
+    "number of ranks. A grouped matrix product computes every expert's tokens in one call, "
+    "with empty experts, odd group sizes and no host synchronization. "
+) * 4
+GLOBAL_BATCH = 8
+SEQ = 48
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+def make_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-MoE written by transformers itself, in several safetensors shards."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(path, max_shard_size="200KB")
+    return path
+
+
+def torchrun(nproc: int, args: list[str], timeout: float) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "grouped_ep.demo",
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"demo: torchrun {' '.join(args[:2])} failed with exit code {proc.returncode}")
+
+
+def factor(world: int, ep: int | None, experts: int) -> tuple[int, int]:
+    """(dp, ep) for `world` ranks: EP as wide as possible that divides both world and experts."""
+    if ep is None:
+        ep = max(e for e in range(1, world + 1) if world % e == 0 and experts % e == 0)
+    if world % ep or experts % ep:
+        sys.exit(f"demo: --ep {ep} must divide the world size {world} and the {experts} experts")
+    return world // ep, ep
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--checkpoint", type=Path, help="your Hugging Face MoE checkpoint directory")
+    ap.add_argument("--out", type=Path, default=Path("demo_out"), help="work directory (replaced)")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--resume-world-size", type=int, default=1)
+    ap.add_argument("--ep", type=int, help="EP degree for the first run (default: widest)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--resume-steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per torchrun phase")
+    ap.add_argument("--worker", choices=["train", "resume"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        from grouped_ep._demo_worker import worker
+
+        return worker(args)
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    t_start = time.perf_counter()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    if args.checkpoint is None:
+        args.checkpoint = make_checkpoint(args.out / "hf_initial")
+        files = sorted(p.name for p in args.checkpoint.glob("*.safetensors"))
+        print(
+            f"demo: wrote a tiny Qwen3-MoE with transformers save_pretrained: {len(files)} shard files"
+        )
+    common = [
+        "--checkpoint",
+        str(args.checkpoint),
+        "--out",
+        str(args.out),
+        "--device",
+        device,
+        "--lr",
+        str(args.lr),
+    ]
+    print(f"demo: training on {args.world_size} ranks ({device})", flush=True)
+    torchrun(
+        args.world_size,
+        [
+            "--worker",
+            "train",
+            "--steps",
+            str(args.steps),
+            *(["--ep", str(args.ep)] if args.ep else []),
+            *common,
+        ],
+        args.timeout,
+    )
+    print(f"demo: resuming on {args.resume_world_size} ranks", flush=True)
+    torchrun(
+        args.resume_world_size,
+        ["--worker", "resume", "--steps", str(args.resume_steps), *common],
+        args.timeout,
+    )
+    compare_logits(args.out)
+    print_summary(args.out, time.perf_counter() - t_start)
+    return 0
+
+
+def compare_logits(out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from grouped_ep._demo_worker import eval_batch
+
+    model = AutoModelForCausalLM.from_pretrained(out / "hf_export", dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(eval_batch()).logits
+    trained = torch.load(out / "logits.pt")
+    diff = (logits - trained).abs().max().item()
+    summary = json.loads((out / "summary.json").read_text())
+    summary["export"]["logits_max_abs_diff"] = diff
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not diff <= 1e-4:
+        sys.exit(
+            f"demo: transformers' logits of the export differ from the trained model by {diff}"
+        )
+
+
+def print_summary(out: Path, seconds: float) -> None:
+    s = json.loads((out / "summary.json").read_text())
+    rows = [("phase", "what", "value")]
+    for r in s["train"]["load"]:
+        rows.append(
+            (
+                "load_sharded",
+                f"rank {r['rank']} bytes read / owned",
+                f"{r['bytes_read']:,} / {r['bytes_owned']:,} = {r['bytes_read'] / max(r['bytes_owned'], 1):.2f}",
+            )
+        )
+    t, r = s["train"], s["resume"]
+    rows += [
+        ("train", "layout", f"world {t['world']} = dp {t['dp']} x ep {t['ep']}"),
+        (
+            "train",
+            "loss first -> last",
+            f"{t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} ({len(t['losses'])} steps)",
+        ),
+        ("train", "save seconds", f"{t['save_seconds']:.2f}"),
+        ("resume", "layout", f"world {r['world']} = dp {r['dp']} x ep {r['ep']}"),
+        ("resume", "load seconds", f"{r['load_seconds']:.2f}"),
+        (
+            "resume",
+            "loss first -> last",
+            f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} ({len(r['losses'])} steps)",
+        ),
+        ("export", "export_hf seconds", f"{s['export']['seconds']:.2f}"),
+        (
+            "export",
+            "logits max |diff| vs transformers",
+            f"{s['export']['logits_max_abs_diff']:.2e}",
+        ),
+        ("all", "wall seconds", f"{seconds:.1f}"),
+    ]
+    width = [max(len(row[i]) for row in rows) for i in range(3)]
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, width)) + " |"  # noqa: E731
+    print("\n" + line(rows[0]) + "\n|" + "|".join("-" * (w + 2) for w in width) + "|")
+    for row in rows[1:]:
+        print(line(row))
+    print(f"\ndemo: summary in {out / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

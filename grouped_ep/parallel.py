@@ -1,0 +1,215 @@
+"""Expert parallel and FSDP2 for MoE models: meshes, expert sharding, `fully_shard` placements.
+
+The layout (as in torchtitan, EP carved out of data parallel):
+
+- `make_mesh(dp, ep)`: a 2-D mesh `("dp", "ep")` over `dp * ep` ranks. Every rank is a
+  data-parallel rank with its own tokens.
+- Experts: DTensor `Shard(0)` on `"ep"` (rank r of an EP group owns experts
+  `[r*E/ep, (r+1)*E/ep)`), then FSDP over `"dp"`: on dim 0 when the local experts split evenly
+  over dp, else on dim 1 (e.g. when dp * ep > E).
+- Every other weight: FSDP over all `dp * ep` ranks (the flattened `"dp_ep"` mesh).
+
+Gradient scale. The loss is the mean over ranks of each rank's own loss. A dense weight's
+gradient is averaged by FSDP over `dp * ep` ranks: right. An expert's local gradient already
+sums the contributions of the tokens of all `ep` ranks of its group (the all-to-all backward
+brings them home), and FSDP then reduces over `dp` only, so the expert modules divide by
+`dp * ep` (`set_gradient_divide_factor`), not by `dp`. tests/test_parallel_dist.py checks both
+against single-process training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from grouped_ep.nn import GroupedExperts
+
+__all__ = [
+    "apply_expert_parallel",
+    "dense_mesh",
+    "experts_modules",
+    "fully_shard_moe",
+    "is_experts_module",
+    "make_mesh",
+]
+
+DENSE_DIM = "dp_ep"
+
+
+def make_mesh(dp: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D `("dp", "ep")` mesh over `dp * ep` ranks.
+
+    Call on every rank after `torch.distributed.init_process_group`. Ranks `[d*ep, (d+1)*ep)`
+    form EP group d. `dense_mesh(mesh)`, the flattened `"dp_ep"` dim, is created here too.
+    """
+    import torch.distributed as dist
+
+    if dp < 1 or ep < 1:
+        raise ValueError(f"make_mesh: dp and ep must be >= 1, got dp={dp}, ep={ep}")
+    world = dist.get_world_size()
+    if dp * ep != world:
+        raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")
+    mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    mesh._flatten(DENSE_DIM)
+    return mesh
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A `GroupedExperts`, or a module with the same stacked layout (e.g. transformers v5's
+    `Qwen3MoeExperts`, `MixtralExperts`): an int `num_experts` and 3-D `gate_up_proj` and
+    `down_proj` parameters."""
+    if isinstance(module, GroupedExperts):
+        return True
+    params = dict(module.named_parameters(recurse=False))
+    return (
+        isinstance(getattr(module, "num_experts", None), int)
+        and "gate_up_proj" in params
+        and "down_proj" in params
+        and params["gate_up_proj"].dim() == 3
+        and params["down_proj"].dim() == 3
+    )
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Every experts module of `model` (see `is_experts_module`), in module order."""
+    return [m for m in model.modules() if is_experts_module(m)]
+
+
+def _expert_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    # Every direct parameter stacked over experts (weights, and biases [E, N] if any).
+    for name, param in module.named_parameters(recurse=False):
+        if param.dim() >= 1 and param.shape[0] == module.num_experts:
+            yield name, param
+
+
+def _is_ep_sharded(param: torch.Tensor, ep_mesh: DeviceMesh) -> bool:
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh == ep_mesh
+        and tuple(param.placements) == (Shard(0),)
+    )
+
+
+def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, prefix: str) -> None:
+    ep = ep_mesh.size()
+    if module.num_experts % ep != 0:
+        raise ValueError(
+            f"apply_expert_parallel: {prefix or 'model'} has num_experts={module.num_experts}, "
+            f"not divisible by the EP degree {ep}"
+        )
+    local = module.num_experts // ep
+    start = ep_mesh.get_local_rank() * local
+    for name, param in list(_expert_params(module)):
+        if _is_ep_sharded(param, ep_mesh):
+            continue
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"apply_expert_parallel: {prefix}.{name} is already a DTensor with placements "
+                f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor"
+            )
+        # Slice, don't broadcast: each rank keeps its own experts, and the clone drops the
+        # other experts' storage (a view would keep it alive and bloat checkpoints).
+        shard = param.detach()[start : start + local].clone()
+        dtensor = DTensor.from_local(
+            shard, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+        )
+        setattr(module, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+    module.ep_mesh = ep_mesh
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Shard every experts module's weights over `ep_mesh` and make its MoE dispatch over it.
+
+    Each stacked expert weight `[E, ...]` becomes a DTensor `Shard(0)` on `ep_mesh` holding this
+    rank's `E / ep` experts, sliced from the full local tensor (no communication; a meta model
+    stays on meta). Sets `module.ep_mesh`. Idempotent. Returns `model`.
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_expert_parallel: ep_mesh must be 1-D (e.g. mesh['ep']), got "
+            f"{ep_mesh.ndim}-D {ep_mesh.mesh_dim_names}"
+        )
+    found = False
+    for prefix, module in model.named_modules():
+        if is_experts_module(module):
+            _shard_experts(module, ep_mesh, prefix)
+            found = True
+    if not found:
+        raise ValueError(
+            f"apply_expert_parallel: {type(model).__name__} has no experts module "
+            "(GroupedExperts or a module with num_experts, gate_up_proj and down_proj)"
+        )
+    return model
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of all `dp * ep` ranks of a `make_mesh` mesh (dense weights live on it)."""
+    return mesh._flatten(DENSE_DIM)  # idempotent: returns the existing one after the first call
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the elements of the outermost ModuleLists that
+    hold experts (a transformer's layers, dense layers between MoE layers included)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        if any(is_experts_module(m) for m in module.modules()):
+            blocks.extend(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def fully_shard_moe(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Expert parallel plus FSDP2 on a MoE model, on a `make_mesh` mesh `("dp", "ep")`.
+
+    Applies `apply_expert_parallel(model, mesh["ep"])` where not done yet (a model already
+    loaded with `load_sharded` after it keeps its weights), then `fully_shard`s each experts
+    module over `"dp"` (gradients divided by `dp * ep`), each block of the outermost ModuleList
+    holding experts over `"dp_ep"`, and the root over `"dp_ep"`. Afterwards every parameter is a
+    DTensor. Returns `model` (now an FSDPModule).
+    """
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ())[:2] != ("dp", "ep"):
+        raise ValueError(
+            "fully_shard_moe: mesh must be the 2-D ('dp', 'ep') mesh of make_mesh, got "
+            f"{mesh.ndim}-D {mesh.mesh_dim_names}"
+        )
+    dp, ep = mesh.size(0), mesh.size(1)
+    ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
+    experts = experts_modules(model)
+    if not experts:
+        raise ValueError(f"fully_shard_moe: {type(model).__name__} has no experts module")
+    kwargs = {
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+    }
+    # A divide factor other than the group size makes FSDP reduce with PREMUL_SUM, which gloo
+    # lacks: on CPU, sum and then divide instead.
+    sum_only = mesh.device_type == "cpu"
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in experts:
+        _shard_experts(module, ep_mesh, names[id(module)])
+        local = module.num_experts // ep
+        placement = Shard(0) if local % dp == 0 else Shard(1)
+        fully_shard(module, mesh=dp_mesh, shard_placement_fn=lambda _p, s=placement: s, **kwargs)
+        module.set_gradient_divide_factor(float(dp * ep))
+        # torch 2.14 divides twice when the FSDP group has one rank and sums are forced
+        # (once in the single-rank copy, once as the post-divide): force only when dp > 1.
+        if sum_only and dp > 1:
+            module.set_force_sum_reduction_for_comms(True)
+    for block in _blocks(model):
+        fully_shard(block, mesh=flat_mesh, **kwargs)
+    fully_shard(model, mesh=flat_mesh, **kwargs)
+    return model

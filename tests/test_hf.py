@@ -1,0 +1,191 @@
+"""transformers integration: the "grouped_ep" experts implementation and `parallelize` (EP=2)
+on tiny Qwen3-MoE and Mixtral models built from configs, against transformers' own eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import grouped_ep.hf
+from grouped_ep.parallel import is_experts_module
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+SEQ = 9
+
+
+def make_model(kind: str):
+    """A tiny model with random weights (seeded), on CPU in fp32."""
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=32,
+            moe_intermediate_size=24,
+            num_experts=4,
+            norm_topk_prob=True,
+            **common,
+        )
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():  # a sharper router, so tokens spread unevenly over the experts
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+    return model
+
+
+def batch(world: int) -> torch.Tensor:
+    """`[world, 2, SEQ]` token ids, rank r's batch at `[r]`."""
+    return torch.randint(0, 64, (world, 2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def logits_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), grads
+
+
+def assert_grads_close(got: dict, ref: dict) -> None:
+    assert got.keys() == ref.keys()
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, atol=TOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_grouped_ep_matches_eager_and_grouped_mm(kind, monkeypatch):
+    model = make_model(kind)
+    ids = batch(1)[0]
+    model.set_experts_implementation("eager")
+    ref_logits, ref_grads = logits_and_grads(model, ids)
+
+    calls = []
+    real_gemm = grouped_ep.hf.gemm
+    monkeypatch.setattr(
+        grouped_ep.hf, "gemm", lambda *a, **k: calls.append(1) or real_gemm(*a, **k)
+    )
+    model.set_experts_implementation("grouped_ep")
+    assert model.config._experts_implementation == "grouped_ep"
+    logits, grads = logits_and_grads(model, ids)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # our experts ran, 2 GEMMs a layer
+    torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=0)
+    assert_grads_close(grads, ref_grads)
+
+    model.set_experts_implementation("grouped_mm")  # transformers' own grouped path agrees too
+    mm_logits, _ = logits_and_grads(model, ids)
+    torch.testing.assert_close(logits, mm_logits, atol=TOL, rtol=0)
+
+
+def test_moe_layer_matches_qwen3_sparse_moe_block():
+    """grouped_ep.nn.MoE with a Qwen3 block's weights (same layout, no conversion) is that block."""
+    from grouped_ep.nn import MoE
+
+    config = make_model("qwen3_moe").config
+    torch.manual_seed(5)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    block.experts.config._experts_implementation = "eager"
+    moe = MoE(16, 24, 4, top_k=2, norm_topk_prob=True)
+    moe.router.weight = block.gate.weight
+    moe.experts.gate_up_proj = block.experts.gate_up_proj
+    moe.experts.down_proj = block.experts.down_proj
+    x = torch.randn(2, 7, 16)
+    y = moe(x)
+    y_ref = block(x)
+    torch.testing.assert_close(y, y_ref, atol=TOL, rtol=0)
+    y.square().sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    y_ref.square().sum().backward()
+    for g, p in zip(grads, block.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=TOL, rtol=1e-4)
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path):
+    model = make_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    ids = batch(1)[0]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="grouped_ep"
+    )
+    assert loaded.config._experts_implementation == "grouped_ep"
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=TOL, rtol=0)
+
+    grouped_ep.hf.unregister()
+    try:
+        with pytest.raises(ValueError, match="grouped_ep"):
+            transformers.AutoModelForCausalLM.from_pretrained(
+                tmp_path, experts_implementation="grouped_ep"
+            )
+    finally:
+        grouped_ep.hf.register()
+
+
+def test_unsupported_experts_raise_clearly():
+    model = make_model("qwen3_moe")
+    experts = next(m for m in model.modules() if is_experts_module(m))
+    experts.has_bias = True
+    x = torch.randn(3, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    with pytest.raises(NotImplementedError, match="has_bias"):
+        grouped_ep.hf.grouped_ep_experts_forward(experts, x, ids, torch.full((3, 2), 0.5))
+
+
+def _ep_rank(rank: int, world: int, kinds: list[str]):
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.hf import parallelize
+    from grouped_ep.parallel import make_mesh
+
+    mesh = make_mesh(1, world)
+    out = {}
+    for kind in kinds:
+        model = make_model(kind)
+        model.set_experts_implementation("eager")  # parallelize switches it to grouped_ep
+        parallelize(model, mesh)
+        assert model.config._experts_implementation == "grouped_ep"
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        assert not plain, f"plain tensors after parallelize: {plain}"
+        logits, grads = logits_and_grads(model, batch(world)[rank])
+        full = {n: g.full_tensor() for n, g in grads.items()}
+        out[kind] = (logits, full if rank == 0 else None)
+    return out
+
+
+@pytest.mark.slow
+def test_parallelize_ep2_matches_single_process():
+    kinds = ["qwen3_moe", "mixtral"]
+    world = 2
+    got = run_ranks(_ep_rank, world, kinds, timeout=150)
+    ids = batch(world)
+    for kind in kinds:
+        model = make_model(kind)
+        model.set_experts_implementation("eager")
+        for rank in range(world):  # each rank's logits: its own batch through the full model
+            with torch.no_grad():
+                ref = model(ids[rank]).logits
+            torch.testing.assert_close(got[rank][kind][0], ref, atol=TOL, rtol=0, msg=kind)
+        # One training step: the mean loss over all ranks' batches, as one process sees it.
+        _, ref_grads = logits_and_grads(model, ids.reshape(-1, SEQ))
+        assert_grads_close(got[0][kind][1], ref_grads)

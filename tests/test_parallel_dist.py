@@ -1,0 +1,311 @@
+"""Expert parallel + FSDP2 on gloo ranks against single-process runs (CPU, fp32).
+
+- EP dispatch of one MoE layer under crafted routings: uneven, a rank that receives nothing,
+  an expert with no tokens, a rank with no tokens of its own.
+- 10 AdamW steps of a small MoE model with `fully_shard_moe`, each rank on its own batch, vs
+  one process training on all ranks' batches: the loss at every step and the final weights.
+- `load_sharded` into an EP model before `fully_shard_moe`: each rank holds its own experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+from torch import nn
+
+from grouped_ep.nn import MoE
+
+TIMEOUT = 150
+TOL = 1e-5
+
+
+# ---- a small MoE language model ------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.moe = MoE(hidden, intermediate, num_experts, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class TinyMoELM(nn.Module):
+    def __init__(self, num_experts: int = 4, vocab: int = 32, hidden: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, 24, num_experts, 2) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def make_model(num_experts: int) -> TinyMoELM:
+    torch.manual_seed(0)
+    model = TinyMoELM(num_experts)
+    with torch.no_grad():  # a router strong enough that routing changes while training
+        for layer in model.layers:
+            layer.moe.router.weight.mul_(4.0)
+    return model
+
+
+def batches(world: int, steps: int) -> torch.Tensor:
+    """`[steps, world, 2, 9]` token ids: rank r's batch at step s is `[s, r]`. Sequences follow
+    `next = 5 * id + 3 (mod 32)` from a random start, so there is something to learn."""
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(0, 32, (steps, world, 2, 1), generator=g)
+    seq = [start]
+    for _ in range(8):
+        seq.append((seq[-1] * 5 + 3) % 32)
+    return torch.cat(seq, dim=-1)
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[..., :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[..., 1:].reshape(-1))
+
+
+def train_reference(num_experts: int, world: int, steps: int) -> tuple[list[float], dict, dict]:
+    model = make_model(num_experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses, grads = [], {}
+    for step_ids in batches(world, steps):
+        loss = lm_loss(model, step_ids.reshape(-1, step_ids.shape[-1]))
+        loss.backward()
+        if not grads:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_rank(rank: int, world: int, dp: int, ep: int, configs: list[int], steps: int):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    mesh = make_mesh(dp, ep)
+    out = {}
+    for num_experts in configs:
+        model = fully_shard_moe(make_model(num_experts), mesh)
+        params = dict(model.named_parameters())
+        not_dtensor = [n for n, p in params.items() if not isinstance(p, DTensor)]
+        assert not not_dtensor, f"plain tensors after fully_shard_moe: {not_dtensor}"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        losses, grads = [], {}
+        for step_ids in batches(world, steps):
+            loss = lm_loss(model, step_ids[rank])
+            loss.backward()
+            if not grads:  # the first step's gradients, reduced by FSDP (divide factors!)
+                grads = {n: p.grad.full_tensor() for n, p in params.items()}
+            opt.step()
+            opt.zero_grad()
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)
+            losses.append(global_loss.item() / world)
+        state = {n: p.full_tensor() for n, p in params.items()}
+        placements = {  # (mesh dims, sharded tensor dim per mesh dim) of the expert weights
+            n: (
+                p.device_mesh.mesh_dim_names,
+                tuple(getattr(pl, "dim", None) for pl in p.placements),
+            )
+            for n, p in params.items()
+            if "experts" in n
+        }
+        out[num_experts] = (losses, grads, state, placements)
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dp,ep,configs",
+    [(1, 2, [4]), (2, 2, [4, 2])],
+    ids=["world2_dp1_ep2", "world4_dp2_ep2_experts4_and_2"],
+)
+def test_fsdp_ep_training_matches_single_process(dp, ep, configs):
+    steps, world = 10, dp * ep
+    got = run_ranks(_train_rank, world, dp, ep, configs, steps, timeout=TIMEOUT)[0]
+    for num_experts in configs:
+        losses, grads, state, placements = got[num_experts]
+        ref_losses, ref_grads, ref_state = train_reference(num_experts, world, steps)
+        # Adam hides a gradient scale error; the first step's gradients do not.
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=name)
+        assert ref_losses[-1] < ref_losses[0] - 0.05, "the reference run should learn something"
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= TOL, f"step {step}: loss {a} vs single-process {b}"
+        assert state.keys() == ref_state.keys()
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(state[name], ref, atol=TOL, rtol=0, msg=name)
+        local = num_experts // ep
+        fsdp_dim = 0 if local % dp == 0 else 1
+        assert len(placements) == 4
+        for name, (mesh_dims, dims) in placements.items():
+            # FSDP over dp on dim 0 or 1, experts split over ep on dim 0
+            assert mesh_dims == ("dp", "ep") and dims == (fsdp_dim, 0), (name, mesh_dims, dims)
+
+
+# ---- EP dispatch under crafted routings -----------------------------------------------------------
+
+E, H = 4, 8
+# Per rank, each token's (first, second) expert. Rank r owns experts {2r, 2r+1}.
+ROUTINGS = {
+    "uneven": ([(2, 3)] * 6, [(0, 3), (1, 2), (3, 0), (2, 1), (0, 1)]),
+    "rank1_receives_nothing": ([(0, 1), (1, 0), (0, 1)], [(1, 0), (0, 1)]),
+    "expert1_empty": ([(0, 2), (2, 3), (3, 0)], [(3, 2), (0, 3), (2, 0)]),
+    "rank1_has_no_tokens": ([(1, 2), (3, 0), (2, 1)], []),
+}
+
+
+def _tokens(pairs: list[tuple[int, int]], seed: int) -> torch.Tensor:
+    """`[T, H]` tokens that a router with weight `10 * I` sends to exactly `pairs`."""
+    g = torch.Generator().manual_seed(seed)
+    x = 0.1 * torch.randn(len(pairs), H, generator=g)
+    for t, (a, b) in enumerate(pairs):
+        x[t, a] += 3.0
+        x[t, b] += 2.0
+    return x
+
+
+def _routing_rank(rank: int, world: int):
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.nn import route
+    from grouped_ep.parallel import apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    ref = MoE(H, 12, E, top_k=2)
+    with torch.no_grad():
+        ref.router.weight.copy_(10 * torch.eye(E, H))
+    moe = apply_expert_parallel(copy.deepcopy(ref), mesh)
+    assert isinstance(moe.experts.gate_up_proj, DTensor)
+    assert moe.experts.gate_up_proj.to_local().shape == (E // world, 24, H)
+
+    for name, per_rank in ROUTINGS.items():
+        xs = [_tokens(p, seed=10 * r + 1) for r, p in enumerate(per_rank)]
+        dys = [
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(r))
+            for r, x in enumerate(xs)
+        ]
+        for x, pairs in zip(xs, per_rank):  # the routing is the one the case is named for
+            _, _, ids = route(x, ref.router.weight, 2)
+            assert ids.tolist() == [list(p) for p in pairs], name
+        # Reference: every rank's tokens through the unsharded layer in one process.
+        ref.zero_grad()
+        x_all = torch.cat(xs).requires_grad_(True)
+        y_all = ref(x_all)
+        (y_all * torch.cat(dys)).sum().backward()
+        lo = sum(len(p) for p in per_rank[:rank])
+        hi = lo + len(per_rank[rank])
+
+        moe.zero_grad()
+        x = xs[rank].clone().requires_grad_(True)
+        y = moe(x)
+        (y * dys[rank]).sum().backward()
+        torch.testing.assert_close(y, y_all[lo:hi], atol=1e-6, rtol=0, msg=f"{name}: out")
+        torch.testing.assert_close(x.grad, x_all.grad[lo:hi], atol=1e-6, rtol=0, msg=f"{name}: dx")
+        local = E // world
+        for pname in ("gate_up_proj", "down_proj"):
+            grad = getattr(moe.experts, pname).grad
+            assert (
+                isinstance(grad, DTensor) and grad.placements == moe.experts.gate_up_proj.placements
+            )
+            want = getattr(ref.experts, pname).grad[rank * local : (rank + 1) * local]
+            torch.testing.assert_close(
+                grad.to_local(), want, atol=1e-6, rtol=0, msg=f"{name}: {pname}"
+            )
+        router_grad = moe.router.weight.grad.clone()
+        dist.all_reduce(router_grad)  # each rank holds its own tokens' part
+        torch.testing.assert_close(router_grad, ref.router.weight.grad, atol=1e-6, rtol=0, msg=name)
+
+    with pytest.raises(ValueError, match="num_experts=3"):
+        apply_expert_parallel(MoE(H, 12, 3, top_k=2), mesh)
+
+    # A meta model stays on meta, with the right global and local shapes.
+    with torch.device("meta"):
+        meta = MoE(H, 12, E, top_k=2)
+    apply_expert_parallel(meta, mesh)
+    w = meta.experts.down_proj
+    assert w.is_meta and isinstance(w, DTensor) and w.shape == (E, H, 12)
+    assert w.to_local().shape == (E // world, H, 12)
+    return True
+
+
+@pytest.mark.slow
+def test_ep_dispatch_edge_routings():
+    assert run_ranks(_routing_rank, 2, timeout=TIMEOUT) == [True, True]
+
+
+# ---- load_sharded, then fully_shard_moe -----------------------------------------------------------
+
+
+def _load_rank(rank: int, world: int, path: str):
+    import torch.distributed as dist
+
+    from grouped_ep import load_sharded
+    from grouped_ep.parallel import apply_expert_parallel, fully_shard_moe, make_mesh
+
+    dp, ep = world // 2, 2
+    mesh = make_mesh(dp, ep)
+    with torch.device("meta"):
+        torch.manual_seed(123)  # different from the checkpoint's weights
+        model = TinyMoELM(num_experts=4)
+    apply_expert_parallel(model, mesh["ep"])
+    load_sharded(model, path)
+    experts = model.layers[0].moe.experts.gate_up_proj
+    assert not experts.is_meta
+    ep_local = experts.to_local().clone()  # this rank's 2 experts, as loaded
+    fully_shard_moe(model, mesh)
+    local = model.layers[0].moe.experts.gate_up_proj.to_local().clone()
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    loss = lm_loss(model, batches(world, 1)[0, rank])
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return ep_local, gathered, full, loss.item() / world
+
+
+@pytest.mark.slow
+def test_load_sharded_then_fully_shard_keeps_each_ranks_experts(tmp_path):
+    from safetensors.torch import save_file
+
+    world = 4
+    model = make_model(4)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    got = run_ranks(_load_rank, world, str(path), timeout=TIMEOUT)
+
+    full_experts = state["layers.0.moe.experts.gate_up_proj"]
+    for rank, (ep_local, gathered, full, loss) in enumerate(got):
+        ep_rank = rank % 2
+        # Each EP rank read its own experts, not rank 0's (the silent-overwrite bug).
+        torch.testing.assert_close(
+            ep_local, full_experts[2 * ep_rank : 2 * ep_rank + 2], atol=0, rtol=0
+        )
+        # After FSDP, the four local shards are four different pieces of the experts.
+        for a in range(world):
+            for b in range(a + 1, world):
+                assert not torch.equal(gathered[a], gathered[b]), (rank, a, b)
+        for name, ref in state.items():
+            torch.testing.assert_close(full[name], ref, atol=0, rtol=0, msg=name)
+        with torch.no_grad():
+            ref_loss = lm_loss(model, batches(world, 1)[0].reshape(-1, 9)).item()
+        assert abs(loss - ref_loss) <= TOL
