@@ -28,6 +28,9 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor
             local shard; the weight gradient comes back as a DTensor with the same spec.
         offs: `[E]` int32 (int64 accepted), cumulative end offsets on x's device: group g is
             rows `offs[g-1]:offs[g]`. Empty groups are allowed; rows past `offs[-1]` give zeros.
+            On CPU, decreasing offsets or `offs[-1] > T` raise. On CUDA the host never reads
+            `offs` (that would sync): such values are clamped on the device to
+            `min(max(offs[g], offs[g-1]), T)`, so they can never read or write out of bounds.
         trans_w: whether `w` is `[E, N, K]`.
 
     Returns:

@@ -117,7 +117,7 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   check_wgrad_inputs(x_in, dy_in, offs);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto x = x_in.detach(), dy = dy_in.detach();
-  const int64_t E = offs.size(0), K = x.size(1), N = dy.size(1);
+  const int64_t E = offs.size(0);
   const auto ends = read_offs_cpu("gemm_wgrad", offs, x.size(0));
 
   // out[g] = a_g^T @ b_g, with (a, b) = (x, dy) -> [E, K, N], or (dy, x) -> [E, N, K].

@@ -1,0 +1,7 @@
+// CUTLASS instantiation: sm80 (Ampere, CUTLASS 2.x), fp16, forward with w [E, N, K] (trans_w=True).
+// One instantiation per file, so the build compiles them in parallel.
+#include <cutlass/numeric_types.h>
+
+#include "sm80_grouped.cuh"
+
+GROUPED_EP_SM80_INSTANCE(fp16, fwd_wnk, cutlass::half_t, GemmKind::kFwdWeightNK)
