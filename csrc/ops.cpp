@@ -21,8 +21,9 @@ TORCH_LIBRARY(grouped_ep, m) {
   m.def("gemm_wgrad(Tensor x, Tensor dy, Tensor offs, bool trans_w=False) -> Tensor");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------
-  // Copies byte ranges of `path` into the storage of `out` (a contiguous CPU tensor), with
-  // `threads` parallel preads: range i is file bytes [src_offsets[i], src_offsets[i] + lengths[i])
-  // written at byte dst_offsets[i] of `out`. Returns the number of bytes read.
-  m.def("read_ranges(str path, Tensor(a!) out, int[] src_offsets, int[] dst_offsets, int[] lengths, int threads=8) -> int");
+  // Copies byte ranges of the files `paths` into the storage of `outs` (contiguous CPU tensors)
+  // with `threads` parallel preads. plan: int64 [N, 5]; row i = (file index, out index,
+  // src_offset, dst_offset, length): file bytes [src_offset, src_offset + length) are written at
+  // byte dst_offset of outs[out]. Returns the number of bytes read.
+  m.def("read_ranges(str[] paths, Tensor(a!)[] outs, Tensor plan, int threads=8) -> int");
 }

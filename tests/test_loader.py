@@ -1,0 +1,469 @@
+"""load_sharded in one process: planning math, layouts, casts, errors, the native reader."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from _ckpt_helpers import (
+    from_pretrained_state,
+    meta_model,
+    raw_safetensors,
+    save_hf,
+    tiny_mixtral_config,
+    tiny_qwen3_moe_config,
+    write_index,
+    write_safetensors,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import grouped_ep
+from grouped_ep import LoadError, load_sharded, loader
+from grouped_ep import _safetensors as sf
+
+# ---- planning math ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_chunk_matches_torch_chunk(n, parts):
+    chunks = torch.chunk(torch.arange(n), parts) if n else ()
+    for rank in range(parts):
+        want = chunks[rank].numpy() if rank < len(chunks) else np.zeros(0)
+        assert np.array_equal(sf._chunk(np.arange(n), parts, rank), want)
+
+
+def _simulate(rows: np.ndarray, file: np.ndarray, out_nbytes: int) -> np.ndarray:
+    """Execute planned ranges [N, 4] (file, src, dst, length) against an in-memory file."""
+    out = np.full(out_nbytes, 255, np.uint8)
+    for _, src, dst, length in rows:
+        out[dst : dst + length] = file[src : src + length]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_piece_ranges_read_exactly_the_owned_elements(shape, data):
+    """Random shapes, owned index runs per dim and a tiling of dim 0 into pieces: executing the
+    planned ranges gives global[owned] and every byte is read once."""
+    shape = tuple(shape)
+    owned = []
+    for n in shape:
+        if data.draw(st.booleans()):
+            owned.append(None)
+        else:
+            lo = data.draw(st.integers(0, n))
+            hi = data.draw(st.integers(lo, n))
+            owned.append(np.arange(lo, hi, dtype=np.int64))
+    cuts = (
+        sorted(set(data.draw(st.lists(st.integers(1, shape[0] - 1), max_size=3))))
+        if shape[0] > 1
+        else []
+    )
+    bounds = [0, *cuts, shape[0]]
+    full = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+    # The "file": pieces back to back after a 16-byte header.
+    blob, pieces = bytearray(16), []
+    for a, b in zip(bounds, bounds[1:]):
+        part = full[a:b]
+        entry = sf.TensorEntry(f"p{a}", "f", torch.int32, part.shape, len(blob), part.nbytes)
+        blob += part.tobytes()
+        pieces.append(sf.Piece(entry, (a,) + (0,) * (len(shape) - 1), part.shape))
+    rs = [sf.piece_ranges(owned, shape, p) for p in pieces]
+    rows = sf.coalesce(
+        np.zeros(sum(len(r[0]) for r in rs), np.int64), *(np.concatenate(x) for x in zip(*rs))
+    )
+    lshape = sf.local_shape(shape, owned)
+    want = full
+    for d, o in enumerate(owned):
+        if o is not None:
+            want = np.take(want, o, axis=d)
+    got = _simulate(rows, np.frombuffer(bytes(blob), np.uint8), want.nbytes)
+    assert np.array_equal(got.view(np.int32).reshape(lshape), want)
+    assert rows[:, 3].sum() == want.nbytes
+
+
+def test_row_shard_is_one_range_and_columns_one_per_row():
+    entry = sf.TensorEntry("w", "f", torch.float32, (8, 6), 100, 8 * 6 * 4)
+    piece = sf.Piece(entry, (0, 0), (8, 6))
+    src, dst, length = sf.piece_ranges([np.arange(2, 5), None], (8, 6), piece)
+    assert (src.tolist(), dst.tolist(), length.tolist()) == ([100 + 2 * 24], [0], [3 * 24])
+    src, _, length = sf.piece_ranges([None, np.arange(3, 6)], (8, 6), piece)
+    assert len(src) == 8 and set(length.tolist()) == {12}
+
+
+def test_owned_indices_of_plain_tensor_is_everything():
+    assert sf.owned_indices(torch.zeros(3, 4), "x") == [None, None]
+
+
+# ---- layouts written by transformers -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory):
+    path = save_hf(tmp_path_factory.mktemp("qwen"), tiny_qwen3_moe_config(experts=12), seed=3)
+    return path, from_pretrained_state(path)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict())
+
+
+def test_qwen3_moe_save_pretrained_into_meta_model(qwen_ckpt):
+    path, ref = qwen_ckpt
+    names = sorted(os.listdir(path))
+    assert (
+        "model.safetensors.index.json" in names
+        and sum(n.endswith(".safetensors") for n in names) > 2
+    )
+    model = meta_model(tiny_qwen3_moe_config(experts=12))
+    report = load_sharded(model, path)
+    state = _state(model)
+    assert state.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(state[k], v), k
+    assert report.bytes_read == report.bytes_owned == sum(v.numel() * 4 for v in ref.values())
+    assert report.unused_keys == [] and report.missing == []
+    assert report.files_opened == report.headers_parsed > 2
+    p = model.model.layers[0].mlp.experts.gate_up_proj
+    assert isinstance(p, nn.Parameter) and p.requires_grad and p.device.type == "cpu"
+
+
+def test_numeric_expert_order(tmp_path):
+    """Expert 10 goes to row 10, not after expert 1 (no string sort of expert ids)."""
+    e, inter, hidden = 12, 3, 4
+    tensors = {}
+    for i in range(e):
+        for w, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
+            sign = -1.0 if w == "up_proj" else 1.0
+            tensors[f"l.mlp.experts.{i}.{w}.weight"] = torch.full(shape, sign * i)
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    m = nn.Module()
+    m.l = nn.Module()
+    m.l.mlp = nn.Module()
+    m.l.mlp.experts = nn.Module()
+    m.l.mlp.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * inter, hidden))
+    m.l.mlp.experts.down_proj = nn.Parameter(torch.zeros(e, hidden, inter))
+    load_sharded(m, tmp_path)
+    for i in range(e):
+        assert torch.all(m.l.mlp.experts.gate_up_proj[i, :inter] == i)
+        assert torch.all(m.l.mlp.experts.gate_up_proj[i, inter:] == -i)
+        assert torch.all(m.l.mlp.experts.down_proj[i] == i)
+
+
+def test_mixtral_save_pretrained_w1_w2_w3(tmp_path):
+    config = tiny_mixtral_config()
+    path = save_hf(tmp_path, config, seed=4)
+    ref = from_pretrained_state(path)
+    model = meta_model(config)
+    report = load_sharded(model, path)
+    for k, v in ref.items():
+        assert torch.equal(_state(model)[k], v), k
+    assert report.unused_keys == [] and report.missing == []
+
+
+def test_bf16_file_into_fp32_model_meta_and_materialized(tmp_path):
+    config = tiny_qwen3_moe_config(experts=4, layers=1)
+    path = save_hf(tmp_path, config, seed=5, dtype=torch.bfloat16)
+    ref = from_pretrained_state(path)
+    for model in (meta_model(config), meta_model(config).to_empty(device="cpu")):
+        report = load_sharded(model, path)
+        for k, v in ref.items():
+            got = _state(model)[k]
+            assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
+        assert report.bytes_read == report.bytes_owned == sum(v.numel() * 2 for v in ref.values())
+
+
+def _fused_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "m.experts.gate_up_proj": torch.randn(5, 6, 4, generator=g),
+        "m.experts.down_proj": torch.randn(5, 4, 3, generator=g),
+        "m.norm": torch.randn(4, generator=g),
+    }
+
+
+def _fused_model() -> nn.Module:
+    root = nn.Module()
+    root.m = nn.Module()
+    root.m.experts = nn.Module()
+    root.m.experts.gate_up_proj = nn.Parameter(torch.zeros(5, 6, 4))
+    root.m.experts.down_proj = nn.Parameter(torch.zeros(5, 4, 3))
+    root.m.register_buffer("norm", torch.zeros(4))
+    root.m.register_buffer("scratch", torch.zeros(2), persistent=False)
+    return root
+
+
+def test_fused_3d_keys_single_file_path(tmp_path):
+    state = _fused_state()
+    f = write_safetensors(tmp_path / "weights.safetensors", state)
+    model = _fused_model()
+    report = load_sharded(model, f)
+    for k, v in state.items():
+        assert torch.equal(_state(model)[k], v), k
+    assert report.tensors_loaded == 3 and report.missing == []
+
+
+def test_split_3d_gate_up_keys(tmp_path):
+    state = _fused_state()
+    gate, up = state.pop("m.experts.gate_up_proj").chunk(2, dim=1)
+    state |= {"m.experts.gate_proj": gate, "m.experts.up_proj": up}
+    write_safetensors(tmp_path / "model.safetensors", state)
+    model = _fused_model()
+    load_sharded(model, tmp_path)
+    assert torch.equal(model.m.experts.gate_up_proj.detach(), torch.cat([gate, up], 1))
+
+
+def test_key_map_callable_mapping_and_unused(tmp_path):
+    state = _fused_state()
+    renamed = {
+        "a": state["m.experts.gate_up_proj"],
+        "norm_w": state["m.norm"],
+        "extra": torch.ones(1),
+    }
+    renamed |= {f"d{i}": state["m.experts.down_proj"][i] for i in range(5)}
+    write_safetensors(tmp_path / "model.safetensors", renamed)
+    table = {"m.experts.gate_up_proj": "a", "m.norm": "norm_w"}
+    table["m.experts.down_proj"] = [f"d{i}" for i in range(5)]
+    for key_map in (table, table.get):
+        model = _fused_model()
+        report = load_sharded(model, tmp_path, key_map=key_map)
+        for k, v in state.items():
+            assert torch.equal(_state(model)[k], v), k
+        assert report.unused_keys == ["extra"]
+
+
+def test_key_map_none_reports_missing_and_leaves_them(tmp_path):
+    state = _fused_state()
+    write_safetensors(tmp_path / "model.safetensors", {"m.norm": state["m.norm"]})
+    model = _fused_model()
+    report = load_sharded(model, tmp_path, key_map=None)
+    assert report.missing == ["m.experts.gate_up_proj", "m.experts.down_proj"]
+    assert torch.equal(model.m.norm, state["m.norm"])
+    assert torch.all(model.m.experts.down_proj == 0)
+
+
+def test_progress_bar_flag(tmp_path, capsys):
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    load_sharded(_fused_model(), tmp_path, progress=True)
+    assert "load_sharded:" in capsys.readouterr().err
+    load_sharded(_fused_model(), tmp_path, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+# ---- bad input: LoadError naming the file and key, nothing modified ----------------------------
+
+
+def _expect(match: str, model, path, **kw):
+    before = {k: v.clone() for k, v in _state(model).items()}
+    with pytest.raises(LoadError, match=match):
+        load_sharded(model, path, **kw)
+    for k, v in _state(model).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a failed load"
+
+
+def test_error_missing_expert_key(tmp_path):
+    state = _fused_state()
+    per = {f"m.experts.{i}.down_proj.weight": state["m.experts.down_proj"][i] for i in range(5)}
+    del per["m.experts.3.down_proj.weight"]
+    write_safetensors(tmp_path / "model.safetensors", per)
+    _expect(r"missing key 'm\.experts\.3\.down_proj\.weight'.*4 of the 5", _fused_model(), tmp_path)
+
+
+def test_error_shape_and_dtype_mismatch(tmp_path):
+    state = _fused_state()
+    write_safetensors(tmp_path / "a.safetensors", state | {"m.norm": torch.zeros(5)})
+    _expect(
+        r"a\.safetensors: shape mismatch for 'm\.norm'", _fused_model(), tmp_path / "a.safetensors"
+    )
+    write_safetensors(
+        tmp_path / "b.safetensors", state | {"m.norm": torch.zeros(4, dtype=torch.int32)}
+    )
+    _expect(
+        r"b\.safetensors: dtype mismatch for 'm\.norm'", _fused_model(), tmp_path / "b.safetensors"
+    )
+
+
+def test_error_missing_shard_file_and_key_not_in_file(tmp_path):
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
+    write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"})
+    _expect(r"shard file 's2\.safetensors'.*not found", _fused_model(), tmp_path)
+    write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s1.safetensors"})
+    _expect(r"s1\.safetensors: missing key 'm\.experts\.down_proj'", _fused_model(), tmp_path)
+
+
+def _valid_raw(tmp_path):
+    t = torch.arange(6, dtype=torch.float32)
+    header = {
+        "m.norm": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "x": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+    }
+    return header, t.numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("truncated", r"out of range.*truncated"),
+        ("header_too_long", r"header length \d+ is larger than the file"),
+        ("offsets_out_of_range", r"'x': data_offsets \[16, 32\] out of range"),
+        ("overlap", r"'x' at \[8, 16\) overlaps tensor 'm\.norm'"),
+        ("gap", r"not contiguous: gap \[16, 20\) before tensor 'x'"),
+        ("bad_json", r"header is not valid JSON"),
+        ("unknown_dtype", r"'x': unknown dtype 'F33'"),
+        ("short_file", r"truncated file"),
+    ],
+)
+def test_error_corrupt_files(tmp_path, case, match):
+    header, data = _valid_raw(tmp_path)
+    path = tmp_path / f"{case}.safetensors"
+    if case == "truncated":
+        raw_safetensors(path, header, data[:-4])
+    elif case == "header_too_long":
+        raw_safetensors(path, header, data, length=10_000)
+    elif case == "offsets_out_of_range":
+        header["x"] = {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}
+        raw_safetensors(path, header, data)
+    elif case == "overlap":
+        header["x"]["data_offsets"] = [8, 16]
+        raw_safetensors(path, header, data)
+    elif case == "gap":
+        header["x"]["data_offsets"] = [20, 28]
+        raw_safetensors(path, header, data + bytes(4))
+    elif case == "bad_json":
+        raw_safetensors(path, b'{"m.norm": {"dtype": "F32",', data)
+    elif case == "unknown_dtype":
+        header["x"]["dtype"] = "F33"
+        raw_safetensors(path, header, data)
+    elif case == "short_file":
+        path.write_bytes(b"\x01\x00")
+    _expect(match, _fused_model(), path)
+    _expect(str(path.name), _fused_model(), path)
+
+
+def test_read_error_midway_leaves_model_untouched(tmp_path, monkeypatch):
+    """A file that shrinks after planning: the native read fails naming the file and offset;
+    nothing was swapped in (materialized tensors keep their values, meta ones stay meta)."""
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
+    write_safetensors(
+        tmp_path / "s2.safetensors", {k: v for k, v in state.items() if k != "m.norm"}
+    )
+    write_index(
+        tmp_path,
+        {
+            "m.norm": "s1.safetensors",
+            "m.experts.gate_up_proj": "s2.safetensors",
+            "m.experts.down_proj": "s2.safetensors",
+        },
+    )
+    real = loader.open_checkpoint
+
+    def open_then_truncate(path):
+        ckpt = real(path)
+        victim = tmp_path / "s2.safetensors"
+        os.truncate(victim, victim.stat().st_size - 8)
+        return ckpt
+
+    monkeypatch.setattr(loader, "open_checkpoint", open_then_truncate)
+    _expect(r"s2\.safetensors: unexpected end of file at offset \d+", _fused_model(), tmp_path)
+    write_safetensors(
+        tmp_path / "s2.safetensors", {k: v for k, v in state.items() if k != "m.norm"}
+    )
+    with torch.device("meta"):
+        model = _fused_model()
+    with pytest.raises(LoadError, match="s2.safetensors"):
+        load_sharded(model, tmp_path)
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_checkpoint_not_found(tmp_path):
+    _expect("checkpoint not found", _fused_model(), tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    _expect(
+        r"expected model\.safetensors\.index\.json or a single", _fused_model(), tmp_path / "empty"
+    )
+
+
+# ---- the native reader ---------------------------------------------------------------------------
+
+
+def test_read_ranges_op_checks_plan(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(range(64)))
+    out = torch.zeros(8, dtype=torch.uint8)
+    plan = torch.tensor([[0, 0, 4, 0, 4], [0, 0, 40, 4, 4]])
+    assert torch.ops.grouped_ep.read_ranges([str(f)], [out], plan, 2) == 8
+    assert out.tolist() == [4, 5, 6, 7, 40, 41, 42, 43]
+    with pytest.raises(RuntimeError, match="writes bytes \\[6, 10\\) of outs\\[0\\], which has 8"):
+        torch.ops.grouped_ep.read_ranges([str(f)], [out], torch.tensor([[0, 0, 0, 6, 4]]), 2)
+    with pytest.raises(RuntimeError, match="names file 1 but only 1 paths"):
+        torch.ops.grouped_ep.read_ranges([str(f)], [out], torch.tensor([[1, 0, 0, 0, 4]]), 2)
+    with pytest.raises(RuntimeError, match="cannot open .*missing"):
+        torch.ops.grouped_ep.read_ranges([str(tmp_path / "missing")], [out], plan, 2)
+
+
+def test_read_ranges_many_threads_large_ranges(tmp_path):
+    """Ranges longer than the reader's chunk size, more threads than chunks, many small ranges."""
+    data = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8)
+    f = tmp_path / "big"
+    f.write_bytes(data.numpy().tobytes())
+    out = torch.empty_like(data)
+    plan = torch.tensor([[0, 0, 0, 0, 17 << 20], [0, 0, 17 << 20, 17 << 20, 3 << 20]])
+    assert torch.ops.grouped_ep.read_ranges([str(f)], [out], plan, 16) == 20 << 20
+    assert torch.equal(out, data)
+    small = torch.tensor([[0, 0, i * 7, i * 7, 7] for i in range(1000)])
+    out.zero_()
+    assert torch.ops.grouped_ep.read_ranges([str(f)], [out], small, 3) == 7000
+    assert torch.equal(out[:7000], data[:7000]) and not out[7000:].any()
+
+
+def test_public_exports():
+    assert grouped_ep.load_sharded is load_sharded and issubclass(LoadError, ValueError)
+
+
+# ---- staged reads: casts and GPU destinations through a bounded buffer -------------------------
+
+
+def test_staged_cast_through_tiny_staging_buffer(tmp_path, monkeypatch):
+    """A staging buffer smaller than one tensor (and not a multiple of the element size):
+    every tensor is cut into windows, several windows share a fill, the result is exact."""
+    state = {k: v.bfloat16() for k, v in _fused_state(seed=7).items()}
+    write_safetensors(tmp_path / "model.safetensors", state)
+    monkeypatch.setattr(loader, "_STAGING_BYTES", 90)
+    model = _fused_model()
+    report = load_sharded(model, tmp_path)
+    for k, v in state.items():
+        got = _state(model)[k]
+        assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
+    assert report.bytes_read == report.bytes_owned == sum(v.nbytes for v in state.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_model_onto_cuda(tmp_path, monkeypatch, dtype):
+    """Pinned double-buffered staging, non_blocking uploads (small buffer: many fills)."""
+    state = _fused_state(seed=8)
+    write_safetensors(tmp_path / "model.safetensors", state)
+    monkeypatch.setattr(loader, "_STAGING_BYTES", 256)
+    with torch.device("meta"):
+        model = _fused_model().to(dtype)
+    load_sharded(model, tmp_path, device="cuda")
+    for k, v in state.items():
+        got = _state(model)[k]
+        assert got.device.type == "cuda" and got.dtype == dtype
+        assert torch.equal(got.cpu(), v.to(dtype)), k
