@@ -72,14 +72,22 @@ def geomean(values: list[float]) -> float:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Geometric mean and minimum of every ratio column (`*_x` / `x_*` / `ratio*`)."""
+    """Geometric mean, min and max of every ratio column (`*_x`), per (dtype, pass) group where
+    rows have those keys, so one slow baseline dtype does not colour the fp32 headline."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        key = " ".join(str(r[k]) for k in ("dtype", "pass") if k in r) or "all"
+        groups.setdefault(key, []).append(r)
     out = {}
-    for col in dict.fromkeys(k for r in rows for k in r):
-        if col.endswith("_x") or col.startswith("ratio"):
-            vals = [r[col] for r in rows if isinstance(r.get(col), (int, float))]
+    for key, members in groups.items():
+        for col in dict.fromkeys(k for r in members for k in r):
+            if not col.endswith("_x"):
+                continue
+            vals = [r[col] for r in members if isinstance(r.get(col), (int, float))]
             vals = [v for v in vals if math.isfinite(v)]
             if vals:
-                out[col] = {"geomean": geomean(vals), "min": min(vals), "max": max(vals)}
+                name = col if key == "all" else f"{col} [{key}]"
+                out[name] = {"geomean": geomean(vals), "min": min(vals), "max": max(vals)}
     return out
 
 

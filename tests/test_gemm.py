@@ -40,7 +40,6 @@ def test_forward_backward_match_reference(pattern, dtype, trans_w):
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
 def test_large_groups_parallel_chunks(trans_w):
     # Groups big enough to be split into several row chunks across threads.
-    x, w, offs = make_case("balanced", k=256, n=192, dtype=torch.float32, trans_w=trans_w)
     sizes = [700, 3, 0, 1500]
     offs = offsets(sizes)
     x = torch.randn(sum(sizes), 256) / 16

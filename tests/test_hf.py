@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from _dist import run_ranks
 
 import grouped_ep.hf
 from grouped_ep.parallel import is_experts_module
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 SEQ = 9

@@ -63,6 +63,7 @@ def test_grouped_experts_matches_loop(sizes, dtype):
     torch.testing.assert_close(experts.down_proj.grad, w2.grad, atol=tol, rtol=tol)
     empty = torch.tensor(sizes) == 0
     assert torch.all(experts.gate_up_proj.grad[empty] == 0)
+    assert torch.all(experts.down_proj.grad[empty] == 0)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])

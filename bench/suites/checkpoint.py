@@ -1,6 +1,6 @@
 """Checkpoints: grouped_ep.checkpoint save/load (atomic commit, compact views, load into new
 buffers) vs plain dcp.save/dcp.load of the same state dict, in one process. GB/s counts the
-unique bytes of model + optimizer state; disk_x = bytes on disk / unique bytes."""
+unique bytes of model + optimizer state; disk_over_unique = bytes on disk / unique bytes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 from grouped_ep import checkpoint as ck
 from suites._timing import median_seconds
 
-TITLE = "checkpoint save/load (GB/s of unique bytes; *_x = grouped_ep / plain DCP; disk_x = disk / unique)"
+TITLE = "checkpoint save/load (GB/s of unique bytes; *_x = grouped_ep / plain DCP; disk_over_unique = disk / unique)"
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
         "load_GBps": gb / t_load,
         "dcp_load_GBps": gb / t_load_dcp,
         "load_x": t_load_dcp / t_load,
-        "disk_x": _disk(ours / "step-00000000") / unique,
-        "dcp_disk_x": _disk(plain) / unique,
+        "disk_over_unique": _disk(ours / "step-00000000") / unique,
+        "dcp_disk_over_unique": _disk(plain) / unique,
     }
 
 
@@ -119,7 +119,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
         log(
             f"{case.name}: save {row['save_GBps']:.2f} GB/s (dcp {row['dcp_save_GBps']:.2f}), "
             f"load {row['load_GBps']:.2f} GB/s (dcp {row['dcp_load_GBps']:.2f}), "
-            f"disk {row['disk_x']:.3f}x (dcp {row['dcp_disk_x']:.3f}x)"
+            f"disk {row['disk_over_unique']:.3f}x (dcp {row['dcp_disk_over_unique']:.3f}x)"
         )
         rows.append(row)
     return rows

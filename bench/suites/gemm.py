@@ -62,8 +62,8 @@ def group_sizes(rows: int, experts: int, routing: str, seed: int = 0) -> list[in
     return torch.bincount(picks, minlength=experts).tolist()
 
 
-def _impls(x, w, offs, ends, trans_w, dense_w):
-    """name -> callable(x, w) returning [T, N]."""
+def _impls(offs, sizes, trans_w):
+    """name -> callable(x, w) returning [T, N]. `dense` gets the [K, N] weight as its `w`."""
 
     def ours(x, w):
         return grouped_ep.gemm(x, w, offs, trans_w=trans_w)
@@ -72,22 +72,20 @@ def _impls(x, w, offs, ends, trans_w, dense_w):
         return torch._grouped_mm(x, w.transpose(1, 2) if trans_w else w, offs=offs)
 
     def loop(x, w):
-        outs, start = [], 0
-        for g, end in enumerate(ends):
-            outs.append(x[start:end] @ (w[g].t() if trans_w else w[g]))
-            start = end
-        return torch.cat(outs)
+        # split/unbind: one cat/stack in backward (indexing per group would build a full-size
+        # zero gradient per group and make the baseline look slower than it need be).
+        pairs = zip(x.split(sizes), w.unbind(0))
+        return torch.cat([xg @ (wg.t() if trans_w else wg) for xg, wg in pairs])
 
-    def dense(x, _w):
-        return x @ dense_w
+    def dense(x, w):
+        return x @ w
 
     return {"grouped_ep": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
 
 
 def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps: int) -> dict:
     sizes = group_sizes(case.rows, case.experts, routing)
-    ends = torch.tensor(sizes).cumsum(0).tolist()
-    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     x = (torch.randn(case.rows, case.k, device=device) / math.sqrt(case.k)).to(dtype)
     wshape = (case.experts, case.n, case.k) if case.trans_w else (case.experts, case.k, case.n)
     w = torch.randn(wshape, device=device).to(dtype)
@@ -103,7 +101,7 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
         "empty_groups": sum(1 for s in sizes if s == 0),
     }
     gflops = {}
-    for name, fn in _impls(x, w, offs, ends, case.trans_w, dense_w).items():
+    for name, fn in _impls(offs, sizes, case.trans_w).items():
         xi = x.detach().requires_grad_(backward)
         wi = (dense_w if name == "dense" else w).detach().requires_grad_(backward)
 
@@ -114,7 +112,7 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
                 out.backward(dy)
 
         try:
-            seconds = median_seconds(step, device, reps=reps, warmup=1)
+            seconds = median_seconds(step, device, reps=reps, warmup=3)
             gflops[name] = flops / seconds / 1e9
         except (RuntimeError, NotImplementedError) as e:  # a baseline that refuses the inputs
             gflops[name] = float("nan")
