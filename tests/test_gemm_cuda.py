@@ -270,9 +270,20 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 
 
 def test_compute_sanitizer_memcheck_clean():
+    # Only a missing GPU skips: on a GPU machine a missing compute-sanitizer is a failure.
     exe = shutil.which("compute-sanitizer")
     if exe is None:
-        pytest.skip("compute-sanitizer is not on PATH")
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        in_toolkit = os.path.join(CUDA_HOME or "", "bin", "compute-sanitizer")
+        if CUDA_HOME and os.access(in_toolkit, os.X_OK):
+            exe = in_toolkit
+    if exe is None:
+        pytest.fail(
+            "compute-sanitizer was found neither on PATH nor in $CUDA_HOME/bin "
+            f"(CUDA_HOME={os.environ.get('CUDA_HOME')!r}); it ships with the CUDA toolkit and "
+            "must be installed on GPU machines: put the toolkit's bin directory on PATH"
+        )
     # Without the caching allocator every tensor is its own cudaMalloc, so memcheck sees any
     # access past a tensor's end (inside a cached block it could not).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTORCH_NO_CUDA_MEMORY_CACHING="1")
@@ -298,11 +309,6 @@ def test_compute_sanitizer_memcheck_clean():
     assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
 
 
-def _free_bytes():
-    free, _ = torch.cuda.mem_get_info()
-    return free
-
-
 @pytest.mark.parametrize(
     "dtype,k,n",
     [(torch.bfloat16, 128, 128), (torch.float32, 127, 127)],
@@ -313,9 +319,15 @@ def test_more_than_2_31_elements(dtype, k, n):
     tail_sizes = [1000, 2000]
     t = (1 << 31) // k + 4096
     elem = torch.empty((), dtype=dtype).element_size()
-    need = 3 * t * max(k, n) * elem + (1 << 30)
-    if _free_bytes() < need:
-        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
+    # x [t, k] lives throughout; out [t, n] and then dy [t, n] (out is freed first, but count
+    # both), plus 1 GiB for dw, workspaces, the fp64 slices and the CUDA context.
+    need = t * k * elem + 2 * t * n * elem + (1 << 30)
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    if total < need:  # only a missing GPU skips; our GPUs have 80-140 GB
+        pytest.fail(
+            f"needs {need / 2**30:.1f} GiB of GPU memory for >2^31-element tensors, but "
+            f"{torch.cuda.get_device_name(DEV)} has {total / 2**30:.1f} GiB in total"
+        )
     sizes = [t - sum(tail_sizes)] + tail_sizes
     offs = make_offs(sizes, DEV)
     x = torch.empty(t, k, device=DEV, dtype=dtype).normal_()
@@ -336,5 +348,6 @@ def test_more_than_2_31_elements(dtype, k, n):
     for g in (1, 2):
         e = s + sizes[g]
         ref = x[s:e].double().t() @ dy[s:e].double()
-        assert_close_to(dw[g], ref, dtype, f"wgrad group {g}")
+        # [1, K, N] slices, so the tolerance is scaled per expert (as for a whole dw).
+        assert_close_to(dw[g : g + 1], ref[None], dtype, f"wgrad group {g}")
         s = e
