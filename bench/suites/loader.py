@@ -14,6 +14,8 @@ Columns (per ranks x method x cache; timing and memory are the worst rank):
                   headers included) / bytes owned: an independent check of grouped_ep's counter
   peak_rss_mib    ru_maxrss of the rank process; rss_growth_mib: peak (VmHWM, reset at start)
                   minus the RSS before loading; local_mib: the rank's local shard
+  same_data       (grouped_ep rows) every rank's local tensors are byte-identical under the three
+                  methods (sha256 of names, dtypes, shapes and bytes)
   cold            the files' pages evicted first (posix_fadvise DONTNEED after fsync, or
                   drop_caches), with the fraction still resident (mincore) in `resident`;
                   hot: every file read once just before
@@ -26,6 +28,7 @@ machine may be shared).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import mmap
 import os
 import resource
@@ -183,6 +186,17 @@ def _io(field: str) -> int:
     return 0
 
 
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every local tensor's name, dtype, shape and bytes (by name): unlike a sum, it
+    sees swapped gate/up halves, transposes and permuted rows or experts."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def _model(spec: Spec, mesh, device: str):
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -223,7 +237,12 @@ def _baseline(method: str, spec: Spec, ckpt: Path, rank: int, world: int, device
         gu = torch.empty(last - first, 2 * n, h, dtype=torch.bfloat16, device=device)
         dn = torch.empty(last - first, h, n, dtype=torch.bfloat16, device=device)
         at = torch.empty(h, h, dtype=torch.bfloat16, device=device)
-        locals_ |= {f"{layer}.gu": gu, f"{layer}.dn": dn, f"{layer}.at": at}
+        experts = f"layers.{layer}.mlp.experts"  # the names of the grouped_ep model's state_dict
+        locals_ |= {
+            f"layers.{layer}.attn.weight": at,
+            f"{experts}.gate_up_proj": gu,
+            f"{experts}.down_proj": dn,
+        }
         dests[f"layers.{layer}.attn.weight"] = at
         for j, i in enumerate(range(first, last)):
             gate, up, down = _expert_keys(layer, i)
@@ -273,12 +292,13 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
         t0 = time.perf_counter()
         if method == "grouped_ep":
             report = load_sharded(model, ckpt, device=device, progress=False)
-            tensors = [
-                t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()
-            ]
+            tensors = {
+                k: t.to_local() if hasattr(t, "to_local") else t
+                for k, t in model.state_dict().items()
+            }
             counted = report.bytes_read
         else:
-            tensors = list(_baseline(method, spec, Path(ckpt), rank, world, device).values())
+            tensors = _baseline(method, spec, Path(ckpt), rank, world, device)
             counted = None
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -287,8 +307,8 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             _rss_kib("VmHWM") - rss0,
         )
-        owned = sum(t.numel() * t.element_size() for t in tensors)
-        checksum = sum(float(t.float().sum(dtype=torch.float64)) for t in tensors)
+        owned = sum(t.numel() * t.element_size() for t in tensors.values())
+        digest = _digest(tensors)
         results.put(
             {
                 "rank": rank,
@@ -299,7 +319,7 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
                 "storage": _io("read_bytes") - storage0,
                 "maxrss_kib": maxrss,
                 "growth_kib": growth,
-                "checksum": checksum,
+                "digest": digest,
             }
         )
         dist.destroy_process_group()
@@ -366,7 +386,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
         for world in (1, 2, 4):
             for cache in ("cold", "hot"):
                 speed: dict[str, float] = {}
-                sums: dict[str, list[float]] = {}
+                digests: dict[str, list[str]] = {}
                 for method in METHODS:
                     if cache == "cold":
                         how = evict(files)
@@ -396,7 +416,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
                             else float("nan")
                         )
                     speed[method] = owned / secs
-                    sums[method] = [r["checksum"] for r in ranks]
+                    digests[method] = [r["digest"] for r in ranks]
                     row = {
                         "case": f"{method}-x{world}-{cache}",
                         "ranks": world,
@@ -422,7 +442,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
                         row["vs_get_slice_x"] = speed["grouped_ep"] / speed["get_slice"]
                         row["vs_read_whole_x"] = speed["grouped_ep"] / speed["read_whole"]
                         row["same_data"] = (
-                            sums["grouped_ep"] == sums["get_slice"] == sums["read_whole"]
+                            digests["grouped_ep"] == digests["get_slice"] == digests["read_whole"]
                         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
