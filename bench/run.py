@@ -103,17 +103,19 @@ def plot(suite: str, rows: list[dict], path: Path, title: str) -> bool:
     ratio_cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c.endswith("_x")]
     if not rows or not ratio_cols:
         return False
-    labels = [str(r.get("case", i)) for i, r in enumerate(rows)]
+    keys = ("case", "routing", "dtype", "pass", "ranks")
+    labels = [" ".join(str(r[k]) for k in keys if k in r) or str(i) for i, r in enumerate(rows)]
     width = 0.8 / len(ratio_cols)
     fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows) + 3), 5))
     for i, col in enumerate(ratio_cols):
         vals = [float(r.get(col, float("nan"))) for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], vals, width, label=col)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
     ax.set_xticks(
         [j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=60, ha="right", fontsize=7
     )
-    ax.set_ylabel("ratio (higher is better for grouped_ep)")
+    ax.set_ylabel("ratio, log scale (> 1: grouped_ep faster)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -130,7 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short run: fewer cases and repeats")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
+    ap.add_argument("--replot", type=Path, help="redraw the PNGs of a saved results .json")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        for suite, data in saved["suites"].items():
+            png = args.replot.with_name(args.replot.stem + f"-{suite}.png")
+            plot(suite, data["rows"], png, f"{data['title']} — {saved['device']}")
+            print(f"wrote {png}")
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
 
