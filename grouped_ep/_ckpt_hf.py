@@ -8,6 +8,11 @@ use (and that transformers v5 fuses back on load):
     <prefix>.down_proj    [E, H, I]  -> <prefix>.{i}.down_proj.weight [H, I]
 
 Every other tensor keeps its name. Expert ids are written in numeric order.
+
+A transformers model is exported with transformers' own reverse conversion
+(`revert_weight_conversion`, what `save_pretrained` uses), so every architecture gets the keys
+its loader expects (Mixtral: `block_sparse_moe.experts.{i}.w1/w3/w2.weight`). Writing
+Qwen-style names for a Mixtral would load with silently re-initialized experts.
 """
 
 from __future__ import annotations
@@ -65,6 +70,18 @@ def split_expert_tensor(name: str, full: torch.Tensor) -> list[tuple[str, torch.
     return out
 
 
+def hf_items(model: nn.Module, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The (key, tensor) pairs a Hugging Face checkpoint holds for the model tensor `name`."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # no transformers: our own split for stacked experts
+        PreTrainedModel = None  # noqa: N806
+    if PreTrainedModel is not None and isinstance(model, PreTrainedModel):
+        return list(revert_weight_conversion(model, {name: full}).items())
+    return split_expert_tensor(name, full) or [(name, full)]
+
+
 def _full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for each state-dict entry; DTensors gathered (a collective)."""
     seen: set[int] = set()
@@ -120,7 +137,7 @@ def export_hf(
     for name, full in _full_tensors(model):  # every rank: the gathers are collective
         if rank != 0:
             continue
-        for key, t in split_expert_tensor(name, full) or [(name, full)]:
+        for key, t in hf_items(model, name, full):
             # safetensors needs contiguous tensors that own their bytes.
             t = t.to("cpu").contiguous().clone()
             if shard_bytes and shard_bytes + t.nbytes > limit:

@@ -270,3 +270,39 @@ def test_export_hf_loads_in_transformers(tmp_path: Path) -> None:
     assert not report.unused_keys and not report.missing, report
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_export_hf_mixtral_uses_its_own_keys(tmp_path: Path) -> None:
+    # Regression: Qwen-style gate_proj/up_proj keys for a Mixtral load in transformers with
+    # silently re-initialized experts. The export must write block_sparse_moe...w1/w3/w2.
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=11,  # > 10: numeric expert order matters
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(5)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # beyond init's std 0.02: logits depend on every expert
+            p.normal_(0, 0.2)
+    index_path = ck.export_hf(model, tmp_path / "hf")
+    keys = list(json.loads(index_path.read_text())["weight_map"])
+    for i in (0, 10):
+        for w in ("w1", "w2", "w3"):
+            assert f"model.layers.1.block_sparse_moe.experts.{i}.{w}.weight" in keys
+    assert not any("gate_proj" in k or "gate_up_proj" in k for k in keys)
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
