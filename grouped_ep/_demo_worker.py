@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from grouped_ep.demo import GLOBAL_BATCH, SEQ, TEXT, factor
 
@@ -40,26 +39,6 @@ def num_experts(config) -> int:
     raise ValueError(f"demo: {type(config).__name__} names no expert count")
 
 
-def init_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute non-persistent buffers (rotary `inv_freq`): no checkpoint holds them, and
-    after a meta-device build they are meta (or garbage after `to_empty`). A module with a
-    `config` is rebuilt from it on `device` and its non-persistent buffers taken."""
-    for module in model.modules():
-        names = [
-            n
-            for n, _ in module.named_buffers(recurse=False)
-            if n in module._non_persistent_buffers_set
-        ]
-        if not names:
-            continue
-        if not hasattr(module, "config"):
-            raise RuntimeError(f"demo: cannot recompute buffers {names} of {type(module).__name__}")
-        with torch.device(device):
-            fresh = type(module)(module.config)
-        for name in names:
-            setattr(module, name, getattr(fresh, name))
-
-
 class Progress:
     def __init__(self, total: int, label: str, enabled: bool):
         self.total, self.label, self.enabled, self.t0 = total, label, enabled, time.perf_counter()
@@ -81,6 +60,7 @@ def worker(args) -> int:
 
     import grouped_ep.hf as ge_hf
     from grouped_ep import checkpoint, load_sharded
+    from grouped_ep.hf import init_nonpersistent_buffers
     from grouped_ep.parallel import apply_expert_parallel, make_mesh
 
     cuda = args.device == "cuda"

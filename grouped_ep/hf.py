@@ -18,6 +18,7 @@ documented extension point), so both of these work:
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -27,7 +28,14 @@ from grouped_ep.nn import routed_experts_forward
 from grouped_ep.ops import gemm
 from grouped_ep.parallel import experts_modules, fully_shard_moe
 
-__all__ = ["IMPLEMENTATION", "grouped_ep_experts_forward", "parallelize", "register", "unregister"]
+__all__ = [
+    "IMPLEMENTATION",
+    "grouped_ep_experts_forward",
+    "init_nonpersistent_buffers",
+    "parallelize",
+    "register",
+    "unregister",
+]
 
 IMPLEMENTATION = "grouped_ep"
 
@@ -125,3 +133,28 @@ def parallelize(
     return fully_shard_moe(
         model, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
     )
+
+
+def init_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (rotary `inv_freq`, ...) of a transformers model.
+
+    No checkpoint holds them: after a meta-device build they are meta, and after `to_empty`
+    they hold garbage. Call after `load_sharded` (or `to_empty`). Each module that has such
+    buffers is rebuilt from its `config` on `device` and its buffers are taken; a module
+    without a `config` is an error naming it."""
+    for module in model.modules():
+        names = [
+            n
+            for n, _ in module.named_buffers(recurse=False)
+            if n in module._non_persistent_buffers_set
+        ]
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(
+                f"init_nonpersistent_buffers: cannot recompute buffers {names} of {type(module).__name__}"
+            )
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name in names:
+            setattr(module, name, getattr(fresh, name))

@@ -188,3 +188,22 @@ def test_parallelize_ep2_matches_single_process():
         # One training step: the mean loss over all ranks' batches, as one process sees it.
         _, ref_grads = logits_and_grads(model, ids.reshape(-1, SEQ))
         assert_grads_close(got[0][kind][1], ref_grads)
+
+
+def test_meta_build_load_sharded_and_buffers_give_same_logits(tmp_path):
+    # The user path of the README: build on meta, load_sharded, recompute rotary buffers.
+    from grouped_ep import load_sharded
+    from grouped_ep.hf import init_nonpersistent_buffers
+
+    model = make_model("qwen3_moe").eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    report = load_sharded(meta, tmp_path)
+    assert not report.missing and not report.unused_keys, report
+    assert any(b.is_meta for b in meta.buffers())  # rotary inv_freq is in no checkpoint
+    init_nonpersistent_buffers(meta, torch.device("cpu"))
+    assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(meta.eval()(tokens).logits, model(tokens).logits)
