@@ -58,6 +58,10 @@ struct DeviceInfo {
   int major = 0;
   int sm_count = 0;
   bool sm90a = false;  // the sm90 CUTLASS kernels can run here
+  // The sm80 CUTLASS kernels can run here: not where the device loads this build's sm_90a
+  // image, in which their body is left out (a toolkit too old for the sm90 kernels would
+  // otherwise send an H100 to a trap). Such a device takes the fallback instead.
+  bool sm80 = false;
 };
 
 // Computed once per device: host-side queries only (no sync, fine during graph capture).
@@ -71,7 +75,9 @@ const DeviceInfo& device_info(int device) {
   DeviceInfo info;
   info.major = prop->major;
   info.sm_count = prop->multiProcessorCount;
-  info.sm90a = prop->major == 9 && sm90_compiled() && device_runs_sm90a();
+  const bool image_90a = prop->major == 9 && device_runs_sm90a();
+  info.sm90a = image_90a && sm90_compiled();
+  info.sm80 = prop->major >= 8 && !image_90a;
   return cache.emplace(device, info).first->second;
 }
 
@@ -88,7 +94,7 @@ Path choose_path(const at::Tensor& a, const at::Tensor& b, const at::Tensor& d, 
     if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0) return Path::kFallback;
   }
   if (info.sm90a) return Path::kSm90;
-  if (info.major >= 8) return Path::kSm80;
+  if (info.sm80) return Path::kSm80;
   return Path::kFallback;
 }
 
