@@ -40,17 +40,19 @@ def _find_cuda_home() -> str | None:
     return None
 
 
-def _want_cuda() -> bool:
+def _cuda_home_to_build() -> str | None:
+    """The toolkit to build the CUDA kernels with, or None for a CPU-only build."""
     if os.environ.get("GROUPED_EP_CUDA", "1") == "0":
-        return False
+        return None
     import torch
 
-    return torch.version.cuda is not None and _find_cuda_home() is not None
+    return _find_cuda_home() if torch.version.cuda is not None else None
 
 
-WITH_CUDA = _want_cuda()
+CUDA_HOME = _cuda_home_to_build()
+WITH_CUDA = CUDA_HOME is not None
 if WITH_CUDA:
-    os.environ["CUDA_HOME"] = _find_cuda_home()
+    os.environ["CUDA_HOME"] = CUDA_HOME
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
 os.environ.setdefault("MAX_JOBS", "2")  # nvcc on CUTLASS takes GBs per job
 

@@ -17,13 +17,15 @@ inline void check_float_dtype(const char* op, const char* name, const at::Tensor
            dt, " on ", t.device());
 }
 
-inline void check_offs(const char* op, const at::Tensor& offs, const at::Tensor& x, int64_t E) {
+// `groups`: the group count offs must match (w's E), or -1 where offs itself defines it.
+inline void check_offs(const char* op, const at::Tensor& offs, const at::Tensor& x,
+                       int64_t groups) {
   GE_CHECK(offs.dim() == 1, op, ": offs must be 1-D [E], got ", offs.dim(), "-D shape ",
            offs.sizes());
   GE_CHECK(offs.scalar_type() == at::kInt || offs.scalar_type() == at::kLong, op,
            ": offs must be int32 or int64, got ", offs.scalar_type());
-  GE_CHECK(offs.size(0) == E, op, ": offs has length ", offs.size(0), " but w has ", E,
-           " groups (experts); offs must hold one cumulative end offset per group");
+  GE_CHECK(groups < 0 || offs.size(0) == groups, op, ": offs has length ", offs.size(0),
+           " but w has ", groups, " groups (experts); offs must hold one cumulative end offset per group");
   GE_CHECK(offs.device() == x.device(), op, ": offs is on ", offs.device(), " but x is on ",
            x.device(), "; keep offs on x's device (no host sync)");
 }
@@ -55,7 +57,7 @@ inline void check_wgrad_inputs(const at::Tensor& x, const at::Tensor& dy, const 
            " but x has ", x.scalar_type(), "; they must match");
   GE_CHECK(dy.device() == x.device(), op, ": dy is on ", dy.device(), " but x is on ", x.device());
   GE_CHECK(dy.size(0) == x.size(0), op, ": dy has ", dy.size(0), " rows but x has ", x.size(0));
-  check_offs(op, offs, x, offs.dim() == 1 ? offs.size(0) : -1);
+  check_offs(op, offs, x, /*groups=*/-1);
 }
 
 // Host-side validation of offs values (CPU tensors only: reading device offs would sync).

@@ -41,7 +41,8 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor
     return _ops.gemm(x, local_weight(w), offs, trans_w)
 
 
-def _check_offs_meta(op: str, offs: Tensor, groups: int, x: Tensor) -> None:
+def _check_offs_meta(op: str, offs: Tensor, groups: int | None, x: Tensor) -> None:
+    """`groups`: the count offs must match (w's E), or None where offs itself defines it."""
     torch._check(
         offs.dim() == 1, lambda: f"grouped_ep.{op}: offs must be 1-D [E], got {offs.dim()}-D"
     )
@@ -50,7 +51,7 @@ def _check_offs_meta(op: str, offs: Tensor, groups: int, x: Tensor) -> None:
         lambda: f"grouped_ep.{op}: offs must be int32 or int64, got {offs.dtype}",
     )
     torch._check(
-        offs.shape[0] == groups,
+        groups is None or offs.shape[0] == groups,
         lambda: f"grouped_ep.{op}: offs has length {offs.shape[0]} but w has {groups} groups",
     )
     torch._check(
@@ -127,7 +128,7 @@ def _gemm_wgrad_fake(x: Tensor, dy: Tensor, offs: Tensor, trans_w: bool = False)
         dy.device == x.device,
         lambda: f"grouped_ep.gemm_wgrad: dy is on {dy.device} but x is on {x.device}",
     )
-    _check_offs_meta("gemm_wgrad", offs, offs.shape[0], x)
+    _check_offs_meta("gemm_wgrad", offs, None, x)
     e, k, n = offs.shape[0], x.shape[1], dy.shape[1]
     return x.new_empty((e, n, k) if trans_w else (e, k, n))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_helpers import tiny_mixtral_config
 from test_checkpoint_dist import tiny_qwen3_moe
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -275,21 +276,10 @@ def test_export_hf_loads_in_transformers(tmp_path: Path) -> None:
 def test_export_hf_mixtral_uses_its_own_keys(tmp_path: Path) -> None:
     # Regression: Qwen-style gate_proj/up_proj keys for a Mixtral load in transformers with
     # silently re-initialized experts. The export must write block_sparse_moe...w1/w3/w2.
-    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import AutoModelForCausalLM, MixtralForCausalLM
 
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=11,  # > 10: numeric expert order matters
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(5)
-    model = MixtralForCausalLM(config).eval()
+    model = MixtralForCausalLM(tiny_mixtral_config(experts=11)).eval()  # > 10: numeric order
     with torch.no_grad():
         for p in model.parameters():  # beyond init's std 0.02: logits depend on every expert
             p.normal_(0, 0.2)
@@ -297,7 +287,7 @@ def test_export_hf_mixtral_uses_its_own_keys(tmp_path: Path) -> None:
     keys = list(json.loads(index_path.read_text())["weight_map"])
     for i in (0, 10):
         for w in ("w1", "w2", "w3"):
-            assert f"model.layers.1.block_sparse_moe.experts.{i}.{w}.weight" in keys
+            assert f"model.layers.0.block_sparse_moe.experts.{i}.{w}.weight" in keys
     assert not any("gate_proj" in k or "gate_up_proj" in k for k in keys)
 
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
