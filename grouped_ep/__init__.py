@@ -1,18 +1,19 @@
-"""grouped_ep: grouped GEMM, sharded loading and checkpoints for expert-parallel MoE on FSDP2."""
+"""grouped_ep: grouped GEMM, sharded loading and checkpoints for expert-parallel MoE on FSDP2.
+
+ops.py            torch.ops.grouped_ep.gemm / gemm_wgrad: wrappers, fakes, autograd, DTensors
+moe/              GroupedExperts, MoE (layers.py) and token dispatch (dispatch.py)
+parallel.py       make_mesh, apply_expert_parallel, fully_shard_moe
+loading/          load_sharded, LoadReport, LoadError
+checkpoint/       save, load, export_hf, describe, CheckpointError
+integrations/     hf.py: transformers experts implementation and parallelize
+demo/             `python -m grouped_ep.demo` (`make demo`); model.py is the shared tiny model
+"""
 
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from grouped_ep import _C  # noqa: F401, I001  (registers torch.ops.grouped_ep.*)
+from grouped_ep.loading import LoadError, LoadReport, load_sharded
 from grouped_ep.ops import gemm, gemm_wgrad
 
-__all__ = ["gemm", "gemm_wgrad", "load_sharded", "LoadReport", "LoadError"]
+__all__ = ["gemm", "gemm_wgrad", "load_sharded", "LoadReport", "LoadError", "__version__"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name):
-    # The loader pulls in safetensors/json planning; import it on first use.
-    if name in ("load_sharded", "LoadReport", "LoadError"):
-        from grouped_ep import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module 'grouped_ep' has no attribute {name!r}")

@@ -12,8 +12,9 @@ import sys
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from grouped_ep._ckpt_inspect import CheckpointError, describe, format_report
-    from grouped_ep.checkpoint import resolve
+    from grouped_ep.checkpoint import CheckpointError, describe
+    from grouped_ep.checkpoint.inspect import format_report
+    from grouped_ep.checkpoint.layout import resolve
 
     try:
         info = describe(resolve(args.dir))

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from grouped_ep.nn import GroupedExperts
+from grouped_ep.moe import GroupedExperts
 
 __all__ = [
     "apply_expert_parallel",

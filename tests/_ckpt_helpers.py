@@ -14,20 +14,19 @@ import torch
 
 
 def tiny_qwen3_moe_config(experts: int = 8, layers: int = 2):
-    """A Qwen3-MoE config small enough for CPU tests: hidden 32, expert intermediate 16."""
-    from transformers import Qwen3MoeConfig
+    """The demo's tiny Qwen3-MoE, smaller still: hidden 32, expert intermediate 16."""
+    from grouped_ep.demo.model import tiny_qwen3_moe_config as demo_config
 
-    return Qwen3MoeConfig(
+    return demo_config(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
         moe_intermediate_size=16,
         num_experts=experts,
-        num_experts_per_tok=2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
+        norm_topk_prob=False,
+        max_position_embeddings=32768,
     )
 
 

@@ -23,6 +23,7 @@ import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -48,6 +49,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    os.setpgrp()  # its own process group: killing the group also ends anything it started
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -67,6 +69,16 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _kill_group(p) -> None:
+    """SIGKILL rank `p`'s process group (each rank leads its own, see `_worker`)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if p.is_alive():  # killed before it could call setpgrp: still in our group
+        p.kill()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
@@ -124,8 +136,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     finally:
         for p in procs:
             p.join(timeout=5 if len(values) == world_size else 0)
-            if p.is_alive():
-                p.kill()
+            if p.is_alive() or p.exitcode is not None:
+                _kill_group(p)
                 p.join(timeout=5)
         results.close()
     return [values[r] for r in range(world_size)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from grouped_ep import checkpoint as ck
 from grouped_ep.__main__ import main as cli
-from grouped_ep._ckpt_hf import parse_size, split_expert_tensor
+from grouped_ep._subprocess import run as run_group
+from grouped_ep.checkpoint.export import parse_size, split_expert_tensor
 
 
 class Small(nn.Module):
@@ -103,7 +103,7 @@ def test_views_of_one_buffer_are_written_compactly(tmp_path: Path) -> None:
         assert torch.equal(getattr(loaded, name), p), name
 
     # The planner itself hands the writer compact tensors, whatever writer DCP uses.
-    planner = ck._CompactSavePlanner()
+    planner = ck.dcp._CompactSavePlanner()
     planner.set_up_planner({"c": model.c.detach()}, is_coordinator=True)
     (item,) = planner.create_local_plan().items
     data = planner.resolve_data(item)
@@ -195,20 +195,16 @@ def test_inspect_lists_chunks_and_checks_coverage(saved: Path, capsys) -> None:
 
 
 def test_inspect_command_line(saved: Path) -> None:
-    run = subprocess.run(
+    run = run_group(
         [sys.executable, "-m", "grouped_ep", "inspect", "--summary", str(saved.parent)],
-        capture_output=True,
-        text=True,
+        capture=True,
         timeout=60,
     )
     assert run.returncode == 0, run.stderr
     assert "optim.state.experts.exp_avg  float32  [4, 6, 5]" in run.stdout
     (saved / "__0_0.distcp").unlink()
-    run = subprocess.run(
-        [sys.executable, "-m", "grouped_ep", "inspect", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    run = run_group(
+        [sys.executable, "-m", "grouped_ep", "inspect", str(saved)], capture=True, timeout=60
     )
     assert run.returncode == 1
     assert "data file __0_0.distcp is missing" in run.stdout

@@ -267,9 +267,11 @@ def _world2(rank: int, world: int, root: str, export_dir: str) -> dict:
 
 def tiny_qwen3_moe(seed: int) -> nn.Module:
     """A tiny transformers Qwen3-MoE (4 experts, 2 layers) with seeded, non-trivial weights."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    from grouped_ep.demo.model import tiny_qwen3_moe_config
+
+    config = tiny_qwen3_moe_config(
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,
@@ -279,9 +281,7 @@ def tiny_qwen3_moe(seed: int) -> nn.Module:
         num_key_value_heads=1,
         head_dim=8,
         num_experts=4,
-        num_experts_per_tok=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -379,7 +379,7 @@ def _killed_mid_save(rank: int, world: int, root: str) -> None:
     with torch.no_grad():
         model.w.mul_(-1)
     if rank == 1:
-        writer = ck.dcp.FileSystemWriter
+        from torch.distributed.checkpoint import FileSystemWriter as writer
 
         def die(self, plan, planner):
             with open(os.path.join(self.path, "__1_0.distcp"), "wb") as f:

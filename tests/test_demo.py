@@ -1,15 +1,17 @@
-"""`make demo` in short form: the whole journey on 2 ranks, resumed on 1, exported, compared."""
+"""`make demo` in short form: the whole journey on 4 ranks (dp 2 x ep 2), resumed on 1, exported,
+compared."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from grouped_ep._subprocess import run as run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,22 +21,22 @@ def test_demo_end_to_end_short(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "grouped_ep.demo", "--steps", "3", "--resume-steps", "2"]
-    proc = subprocess.run(
+    proc = run_group(
         [*cmd, "--out", str(out), "--device", "cpu"],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
+        capture=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "logits max |diff| vs transformers" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     loads = summary["train"]["load"]
-    assert [r["rank"] for r in loads] == [0, 1]
+    assert [r["rank"] for r in loads] == [0, 1, 2, 3]
     for r in loads:  # each rank read exactly the bytes it owns
         assert r["bytes_read"] == r["bytes_owned"] > 0
-    assert summary["train"]["ep"] == 2 and summary["resume"]["world"] == 1
+    assert (summary["train"]["dp"], summary["train"]["ep"]) == (2, 2)
+    assert summary["resume"]["world"] == 1
     losses = summary["train"]["losses"] + summary["resume"]["losses"]
     assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]  # it trains, across the resume

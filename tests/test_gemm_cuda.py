@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -29,6 +28,7 @@ from _cuda_helpers import (
 )
 
 import grouped_ep
+from grouped_ep._subprocess import run as run_group
 
 pytestmark = [
     pytest.mark.cuda,
@@ -287,19 +287,9 @@ def test_compute_sanitizer_memcheck_clean():
     # Without the caching allocator every tensor is its own cudaMalloc, so memcheck sees any
     # access past a tensor's end (inside a cached block it could not).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    proc = subprocess.run(
-        [
-            exe,
-            "--tool",
-            "memcheck",
-            "--error-exitcode",
-            "3",
-            sys.executable,
-            "-c",
-            _SANITIZER_SCRIPT,
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_group(
+        [exe, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _SANITIZER_SCRIPT],
+        capture=True,
         timeout=600,
         env=env,
     )

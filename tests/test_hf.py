@@ -9,6 +9,7 @@ import transformers
 from _dist import run_ranks
 
 import grouped_ep.hf
+from grouped_ep.demo.model import tiny_qwen3_moe_config
 from grouped_ep.parallel import is_experts_module
 
 TOL = 1e-5
@@ -28,12 +29,8 @@ def make_model(kind: str):
         max_position_embeddings=64,
     )
     if kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            intermediate_size=32,
-            moe_intermediate_size=24,
-            num_experts=4,
-            norm_topk_prob=True,
-            **common,
+        config = tiny_qwen3_moe_config(
+            intermediate_size=32, moe_intermediate_size=24, num_experts=4, **common
         )
         cls = transformers.Qwen3MoeForCausalLM
     elif kind == "mixtral":

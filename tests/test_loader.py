@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import grouped_ep
-from grouped_ep import LoadError, load_sharded, loader
-from grouped_ep import _safetensors as sf
+from grouped_ep import LoadError, load_sharded
+from grouped_ep.loading import load as loader
+from grouped_ep.loading import read as loader_read
+from grouped_ep.loading import plan as sf
 
 # ---- planning math ------------------------------------------------------------------------------
 
@@ -443,7 +445,7 @@ def test_staged_cast_through_tiny_staging_buffer(tmp_path, monkeypatch):
     every tensor is cut into windows, several windows share a fill, the result is exact."""
     state = {k: v.bfloat16() for k, v in _fused_state(seed=7).items()}
     write_safetensors(tmp_path / "model.safetensors", state)
-    monkeypatch.setattr(loader, "_STAGING_BYTES", 90)
+    monkeypatch.setattr(loader_read, "_STAGING_BYTES", 90)
     model = _fused_model()
     report = load_sharded(model, tmp_path)
     for k, v in state.items():
@@ -459,7 +461,7 @@ def test_meta_model_onto_cuda(tmp_path, monkeypatch, dtype):
     """Pinned double-buffered staging, non_blocking uploads (small buffer: many fills)."""
     state = _fused_state(seed=8)
     write_safetensors(tmp_path / "model.safetensors", state)
-    monkeypatch.setattr(loader, "_STAGING_BYTES", 256)
+    monkeypatch.setattr(loader_read, "_STAGING_BYTES", 256)
     with torch.device("meta"):
         model = _fused_model().to(dtype)
     load_sharded(model, tmp_path, device="cuda")

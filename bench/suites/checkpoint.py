@@ -78,7 +78,7 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
         opt.step()
     unique = _unique_bytes(model, opt)
     ours, plain = work / "ours", work / "plain"
-    state = ck._state(model, opt)  # the very state dict grouped_ep saves
+    state = ck.dcp._state(model, opt)  # the very state dict grouped_ep saves
 
     def save_plain() -> None:
         shutil.rmtree(plain, ignore_errors=True)

@@ -369,7 +369,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
         [
             "torch",
             "torch.distributed.tensor",
-            "grouped_ep.loader",
+            "grouped_ep.loading",
             "safetensors.torch",
             "suites.loader",
         ]

@@ -43,12 +43,12 @@ GPU_CASES = [
 
 
 def _block(case: Case, device: str, dtype: torch.dtype):
-    import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     import grouped_ep.hf  # noqa: F401  (registers "grouped_ep")
+    from grouped_ep.demo.model import tiny_qwen3_moe_config
 
-    config = transformers.Qwen3MoeConfig(
+    config = tiny_qwen3_moe_config(
         hidden_size=case.hidden,
         moe_intermediate_size=case.inter,
         num_experts=case.experts,

@@ -21,10 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete, corrupt, or does not fit the model."""
-
+from grouped_ep.checkpoint.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
 

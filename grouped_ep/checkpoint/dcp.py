@@ -1,4 +1,4 @@
-"""Distributed checkpoints for sharded MoE models: save, load (resharding), export to Hugging Face.
+"""`save` and `load` of sharded models and optimizers over torch.distributed.checkpoint (DCP).
 
 Layout of a checkpoint root (`save(root, ...)`):
 
@@ -49,15 +49,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from grouped_ep._ckpt_hf import export_hf
-from grouped_ep._ckpt_inspect import METADATA_FILE, CheckpointError, CheckpointInfo, describe
+from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
+from grouped_ep.checkpoint.layout import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    TMP_PREFIX,
+    fsync_dir,
+    next_step,
+    resolve,
+    step_dir_name,
+    write_text_atomic,
+)
 
-__all__ = ["save", "load", "resolve", "describe", "export_hf", "CheckpointError", "CheckpointInfo"]
+__all__ = ["save", "load"]
 
-LATEST_FILE = "latest"
-MANIFEST_FILE = "grouped_ep.json"
-STEP_PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 
 _T = TypeVar("_T")
@@ -117,66 +123,6 @@ def _all_ok(error: Exception | None, what: str) -> None:
     failed = {r: t for r, t in enumerate(texts) if t is not None}
     if failed:
         raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
-
-
-# ---- layout -------------------------------------------------------------------------------------
-
-
-def step_dir_name(step: int) -> str:
-    """`step-00000123`: zero-padded so that names sort in step order."""
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint directory that `path` names: itself, or the one its `latest` file names.
-
-    Raises CheckpointError when `path` is neither a checkpoint (no `.metadata`) nor a root with a
-    `latest` file, or when `latest` names a directory that does not exist.
-    """
-    path = Path(path)
-    if (path / METADATA_FILE).is_file():
-        return path
-    latest = path / LATEST_FILE
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if not name or "/" in name or name.startswith("."):
-            raise CheckpointError(f"{latest}: expected a checkpoint directory name, got {name!r}")
-        target = path / name
-        if not target.is_dir():
-            raise CheckpointError(f"{latest} names {name}, which does not exist in {path}")
-        return target
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
-    raise CheckpointError(
-        f"{path} is neither a checkpoint (no {METADATA_FILE}) nor a checkpoint root (no "
-        f"{LATEST_FILE} file); was the save interrupted before it finished?"
-    )
-
-
-def _next_step(root: Path) -> int:
-    steps = [
-        int(p.name[len(STEP_PREFIX) :])
-        for p in root.glob(f"{STEP_PREFIX}*")
-        if p.name[len(STEP_PREFIX) :].isdigit()
-    ]
-    return max(steps) + 1 if steps else 0
 
 
 # ---- state dicts --------------------------------------------------------------------------------
@@ -285,7 +231,7 @@ def save(
         if root.exists() and not root.is_dir():
             raise CheckpointError(f"save: checkpoint root {root} exists and is not a directory")
         root.mkdir(parents=True, exist_ok=True)
-        s = _next_step(root) if step is None else step
+        s = next_step(root) if step is None else step
         tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
         if tmp.exists():  # left by a save that died; it was never the latest
             shutil.rmtree(tmp)
@@ -326,15 +272,15 @@ def save(
             "saved_at": time.time(),
             "torch": torch.__version__,
         }
-        _write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-        _fsync_dir(tmp)
+        write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+        fsync_dir(tmp)
         old = None
         if final.exists():  # saving the same step again: swap the old one out, then delete it
             old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _write_text_atomic(root / LATEST_FILE, final.name + "\n")
-        _fsync_dir(root)
+        write_text_atomic(root / LATEST_FILE, final.name + "\n")
+        fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -28,50 +28,13 @@ from pathlib import Path
 
 import torch
 
-TEXT = (
-    "Mixture-of-Experts models route each token to a few experts. Expert parallelism places "
-    "different experts on different ranks, so every rank must hold its own experts and no "
-    "other rank's. A loader that broadcasts rank zero's tensors gives every rank the same "
-    "experts and the run trains on the wrong weights without any error. Checkpoints must "
-    "record how each tensor was sharded, hold each byte once, and load again on another "
-    "number of ranks. A grouped matrix product computes every expert's tokens in one call, "
-    "with empty experts, odd group sizes and no host synchronization. "
-) * 4
-GLOBAL_BATCH = 8
-SEQ = 48
-
-
-# ---- driver ----------------------------------------------------------------------------------
-
-
-def make_checkpoint(path: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen3-MoE written by transformers itself, in several safetensors shards."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3MoeForCausalLM(config)
-    model.save_pretrained(path, max_shard_size="200KB")
-    return path
+from grouped_ep._subprocess import run
+from grouped_ep.demo.model import make_checkpoint
 
 
 def torchrun(nproc: int, args: list[str], timeout: float) -> None:
+    """Run `nproc` demo workers under torchrun, in their own process group (a timeout kills every
+    rank, not just the launcher)."""
     cmd = [
         sys.executable,
         "-m",
@@ -79,22 +42,18 @@ def torchrun(nproc: int, args: list[str], timeout: float) -> None:
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "grouped_ep.demo",
+        "grouped_ep.demo.worker",
         *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run(cmd, env=env, timeout=timeout)
+    try:
+        proc = run(cmd, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        sys.exit(
+            f"demo: torchrun {args[0]} took longer than {timeout:.0f} s; every rank was killed"
+        )
     if proc.returncode != 0:
-        sys.exit(f"demo: torchrun {' '.join(args[:2])} failed with exit code {proc.returncode}")
-
-
-def factor(world: int, ep: int | None, experts: int) -> tuple[int, int]:
-    """(dp, ep) for `world` ranks: EP as wide as possible that divides both world and experts."""
-    if ep is None:
-        ep = max(e for e in range(1, world + 1) if world % e == 0 and experts % e == 0)
-    if world % ep or experts % ep:
-        sys.exit(f"demo: --ep {ep} must divide the world size {world} and the {experts} experts")
-    return world // ep, ep
+        sys.exit(f"demo: torchrun {args[0]} failed with exit code {proc.returncode}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,20 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--checkpoint", type=Path, help="your Hugging Face MoE checkpoint directory")
     ap.add_argument("--out", type=Path, default=Path("demo_out"), help="work directory (replaced)")
-    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--resume-world-size", type=int, default=1)
-    ap.add_argument("--ep", type=int, help="EP degree for the first run (default: widest)")
+    ap.add_argument(
+        "--ep",
+        type=int,
+        help="EP degree of the first run (default: 2 when the world size is a "
+        "multiple of 4, so that EP and FSDP (dp > 1) run together; else the widest)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--resume-steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per torchrun phase")
-    ap.add_argument("--worker", choices=["train", "resume"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        from grouped_ep._demo_worker import worker
-
-        return worker(args)
+    if args.ep is None and args.world_size % 4 == 0:
+        args.ep = 2
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -144,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     torchrun(
         args.world_size,
         [
-            "--worker",
             "train",
             "--steps",
             str(args.steps),
@@ -156,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: resuming on {args.resume_world_size} ranks", flush=True)
     torchrun(
         args.resume_world_size,
-        ["--worker", "resume", "--steps", str(args.resume_steps), *common],
+        ["resume", "--steps", str(args.resume_steps), *common],
         args.timeout,
     )
     compare_logits(args.out)
@@ -167,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 def compare_logits(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from grouped_ep._demo_worker import eval_batch
+    from grouped_ep.demo.model import eval_batch
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf_export", dtype=torch.float32)
     model.eval()

@@ -1,7 +1,10 @@
-"""One rank of `python -m grouped_ep.demo` (started by torchrun): train, or resume and export."""
+"""One rank of `python -m grouped_ep.demo`: `python -m grouped_ep.demo.worker {train,resume} ...`,
+started by torchrun. `train` loads the Hugging Face checkpoint with `load_sharded`, trains and
+saves; `resume` loads that checkpoint at another world size, trains on and exports."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -12,31 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from grouped_ep.demo import GLOBAL_BATCH, SEQ, TEXT, factor
-
-
-def tokens() -> torch.Tensor:
-    return torch.tensor(list(TEXT.encode()), dtype=torch.long)
-
-
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share (sequences rank, rank + world, ...) of the step's global batch."""
-    data = tokens()
-    g = torch.Generator().manual_seed(1000 + step)
-    starts = torch.randint(0, len(data) - SEQ - 1, (GLOBAL_BATCH,), generator=g)[rank::world]
-    seqs = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
-    return seqs[:, :-1], seqs[:, 1:]
-
-
-def eval_batch() -> torch.Tensor:
-    return tokens()[: 2 * SEQ].view(2, SEQ)
-
-
-def num_experts(config) -> int:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    raise ValueError(f"demo: {type(config).__name__} names no expert count")
+from grouped_ep.demo.model import GLOBAL_BATCH, batch, eval_batch, factor, num_experts
 
 
 class Progress:
@@ -81,7 +60,7 @@ def worker(args) -> int:
     model.set_experts_implementation(ge_hf.IMPLEMENTATION)
     summary: dict = {}
 
-    if args.worker == "train":
+    if args.phase == "train":
         apply_expert_parallel(model, mesh["ep"])  # experts: Shard(0) DTensors, still on meta
         report = load_sharded(model, args.checkpoint, device=device)  # only this rank's bytes
         init_nonpersistent_buffers(model, device)
@@ -95,7 +74,7 @@ def worker(args) -> int:
         init_nonpersistent_buffers(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     first_step = 0
-    if args.worker == "resume":
+    if args.phase == "resume":
         t0 = time.perf_counter()
         extra = checkpoint.load(out / "ckpt", model, optimizer)
         first_step = extra["step"]
@@ -108,7 +87,7 @@ def worker(args) -> int:
         }
 
     losses = []
-    progress = Progress(args.steps, args.worker, rank == 0)
+    progress = Progress(args.steps, args.phase, rank == 0)
     model.train()
     for i in range(1, args.steps + 1):
         inputs, labels = batch(first_step + i, rank, world)
@@ -121,10 +100,10 @@ def worker(args) -> int:
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
         progress.step(i, losses[-1])
-    phase = summary[args.worker]
+    phase = summary[args.phase]
     phase["losses"] = losses
 
-    if args.worker == "train":
+    if args.phase == "train":
         t0 = time.perf_counter()
         checkpoint.save(out / "ckpt", model, optimizer, extra={"step": args.steps})
         phase["save_seconds"] = time.perf_counter() - t0
@@ -142,3 +121,19 @@ def worker(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grouped_ep.demo.worker")
+    ap.add_argument("phase", choices=["train", "resume"])
+    ap.add_argument("--checkpoint", required=True, help="the Hugging Face checkpoint directory")
+    ap.add_argument("--out", required=True, help="the demo's work directory")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--ep", type=int, help="EP degree (default: widest)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    return worker(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+"""Distributed checkpoints for sharded MoE models: save, load (resharding), export to Hugging Face.
+
+dcp.py      `save` / `load`: atomic, compact DCP checkpoints that reshard on load
+layout.py   the root's layout: `step-N/` directories, `latest`, atomic renames; `resolve`
+inspect.py  `describe`: read and check a checkpoint without loading it (CLI: `inspect`)
+export.py   `export_hf`: the Hugging Face safetensors layout with per-expert keys
+"""
+
+from grouped_ep.checkpoint.dcp import load, save
+from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.export import export_hf
+from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
+from grouped_ep.checkpoint.layout import resolve
+
+__all__ = ["CheckpointError", "CheckpointInfo", "describe", "export_hf", "load", "resolve", "save"]

@@ -1,0 +1,144 @@
+"""Checkpoint keys -> model tensors: which checkpoint tensors tile each model tensor.
+
+A layout is one way the checkpoint may hold a model tensor: a list of (key, offset, shape in the
+model's ndim, shape in the file). The first layout whose keys all exist wins. "auto" knows the
+fused experts of transformers v5 (`gate_up_proj`, `down_proj`) stored per expert or split; a
+user `key_map` (callable or mapping) names keys for anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+from grouped_ep.loading.errors import LoadError
+from grouped_ep.loading.plan import Piece
+from grouped_ep.loading.safetensors import Checkpoint
+
+KeyMap = Callable[[str], "str | Sequence[str | Sequence[str]] | None"]
+
+
+_EXPERT_PARAM = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>[^.]+)$")
+Layout = list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def _stacked(prefix: str, experts: int, names: Sequence[str], rows: int, cols: int) -> Layout:
+    """Per-expert 2-D keys `{prefix}.{i}.{name}` of shape [rows, cols], stacked on dim 0 and
+    concatenated on dim 1 in `names` order (gate rows first, then up). Experts in numeric order."""
+    return [
+        (f"{prefix}.{i}.{name}", (i, j * rows, 0), (1, rows, cols), (rows, cols))
+        for i in range(experts)
+        for j, name in enumerate(names)
+    ]
+
+
+def _auto_layouts(name: str, shape: tuple[int, ...]) -> list[Layout]:
+    zero = (0,) * len(shape)
+    # Mixtral checkpoints say `block_sparse_moe` where transformers v5 modules say `mlp`.
+    aliases = list(dict.fromkeys([name, name.replace(".mlp.", ".block_sparse_moe.")]))
+    layouts = [[(a, zero, shape, shape)] for a in aliases]
+    m = _EXPERT_PARAM.match(name)
+    if m is None or len(shape) != 3 or shape[0] == 0:
+        return layouts
+    e, rows, cols = shape
+    proj = m["proj"]
+    for prefix in dict.fromkeys(a[: -len(proj) - 1] for a in aliases):
+        if proj == "gate_up_proj" and rows % 2 == 0:
+            half = rows // 2
+            for gate, up in (("gate_proj", "up_proj"), ("w1", "w3")):
+                layouts.append(_stacked(prefix, e, [f"{gate}.weight", f"{up}.weight"], half, cols))
+            split = (e, half, cols)
+            layouts.append(
+                [
+                    (f"{prefix}.gate_proj", (0, 0, 0), split, split),
+                    (f"{prefix}.up_proj", (0, half, 0), split, split),
+                ]
+            )
+        if proj == "down_proj":
+            layouts.append(_stacked(prefix, e, ["w2.weight"], rows, cols))
+        layouts.append(_stacked(prefix, e, [f"{proj}.weight"], rows, cols))
+        layouts.append(_stacked(prefix, e, [proj], rows, cols))
+    return layouts
+
+
+def _user_layout(name: str, shape: tuple[int, ...], value: object, ckpt: Checkpoint) -> Layout:
+    """A key_map answer: a key, or a list of keys (or tuples of keys, concatenated on dim 0)
+    stacked on a new dim 0 (one per index of dim 0) or concatenated on dim 0."""
+    nd = len(shape)
+    if isinstance(value, str):
+        return [(value, (0,) * nd, shape, shape)]
+    if not isinstance(value, Sequence):
+        raise LoadError(f"key_map({name!r}) returned {value!r}; expected a key or a list of keys")
+    blocks = [[item] if isinstance(item, str) else list(item) for item in value]
+    for key in (k for block in blocks for k in block):
+        if key not in ckpt:
+            raise LoadError(f"{ckpt.root}: missing key {key!r} (key_map for {name!r})")
+    shapes = [[ckpt[k].shape for k in block] for block in blocks]
+    # 2-D keys into a 3-D tensor are stacked (one block per index of dim 0), else concatenated.
+    stack = nd >= 2 and len(blocks) == shape[0] and all(len(s) == nd - 1 for b in shapes for s in b)
+    layout: Layout = []
+    offset = 0
+    for i, (block, block_shapes) in enumerate(zip(blocks, shapes)):
+        inner = 0
+        for key, s in zip(block, block_shapes):
+            if stack:
+                layout.append((key, (i, inner) + (0,) * (nd - 2), (1, *s), s))
+                inner += s[0]
+            elif not stack and len(s) == nd and nd >= 1:
+                layout.append((key, (offset,) + (0,) * (nd - 1), s, s))
+                offset += s[0]
+            else:
+                raise LoadError(
+                    f"{ckpt[key].path}: shape mismatch: key_map puts {key!r} of shape {s} into "
+                    f"{name!r} of shape {shape}"
+                )
+    return layout
+
+
+def _check_layout(
+    name: str, shape: tuple[int, ...], layout: Layout, ckpt: Checkpoint
+) -> list[Piece]:
+    pieces = []
+    for key, offset, pshape, file_shape in layout:
+        entry = ckpt[key]
+        if entry.shape != file_shape or any(o + n > s for o, n, s in zip(offset, pshape, shape)):
+            raise LoadError(
+                f"{entry.path}: shape mismatch for {key!r}: model tensor {name!r} {list(shape)} "
+                f"needs {list(file_shape)} here, the file has {list(entry.shape)}"
+            )
+        pieces.append(Piece(entry, offset, pshape))
+    return pieces
+
+
+def resolve_pieces(
+    names: list[str], shape: tuple[int, ...], ckpt: Checkpoint, key_map
+) -> list[Piece]:
+    """The checkpoint pieces that tile a model tensor (known by `names`), or [] if none."""
+    for name in names:
+        value = None
+        if callable(key_map):
+            value = key_map(name)
+        elif isinstance(key_map, Mapping):
+            value = key_map.get(name)
+        elif key_map not in ("auto", None):
+            raise ValueError("load_sharded: key_map must be 'auto', None, a callable or a mapping")
+        if value is not None:
+            layouts = [_user_layout(name, shape, value, ckpt)]
+        elif key_map is None:
+            layouts = [[(name, (0,) * len(shape), shape, shape)]]
+        else:
+            layouts = _auto_layouts(name, shape)
+        partial = None
+        for layout in layouts:
+            found = [key in ckpt for key, *_ in layout]
+            if layout and all(found):
+                return _check_layout(name, shape, layout, ckpt)
+            if any(found) and partial is None:
+                partial = (layout[found.index(False)][0], sum(found), len(found))
+        if partial is not None:
+            key, n, m = partial
+            raise LoadError(
+                f"{ckpt.root}: missing key {key!r}: the checkpoint has {n} of the {m} keys that "
+                f"make up {name!r} {list(shape)}"
+            )
+    return []

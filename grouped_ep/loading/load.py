@@ -1,0 +1,180 @@
+"""`load_sharded`: each rank reads its own slice of a safetensors checkpoint, nothing more.
+
+Three steps, the first two in Python, with no collective anywhere:
+
+1. Plan. Parse every header strictly (`safetensors.py`), map each model tensor to the
+   checkpoint tensors that tile it (a same-named tensor; per-expert 2-D weights stacked, gate and
+   up fused; 3-D split tensors; or a user `key_map`), find the indices this rank owns from the
+   tensor's own DTensor placements, and turn them into coalesced byte ranges. Every error is
+   raised here, before anything is read.
+2. Read. `torch.ops.grouped_ep.read_ranges` (csrc/io/reader.cpp) preads the ranges with a pool
+   of threads straight into fresh CPU tensors; ranges that need a dtype cast or a copy to a GPU
+   go through a bounded staging buffer (pinned and double-buffered for CUDA).
+3. Swap. Only when every read succeeded: meta tensors are replaced (same DTensor spec, same
+   requires_grad), materialized ones are overwritten in place. A failed load changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from grouped_ep.loading.errors import LoadError
+from grouped_ep.loading.keys import KeyMap, resolve_pieces
+from grouped_ep.loading.plan import Target, local_tensor, plan_target
+from grouped_ep.loading.read import Progress, read_direct, read_staged
+from grouped_ep.loading.safetensors import open_checkpoint
+
+__all__ = ["load_sharded", "LoadReport", "LoadError"]
+
+
+@dataclass
+class LoadReport:
+    """What one rank's `load_sharded` did.
+
+    bytes_read: bytes this rank read from checkpoint files (data only, headers excluded).
+    bytes_owned: bytes of this rank's local shards, in the checkpoint's dtypes. Equal to
+        bytes_read when nothing is read twice or read for another rank.
+    files_opened: files this rank read data from (every header is parsed: `headers_parsed`).
+    unused_keys: checkpoint keys no model tensor maps to. Keys of experts or rows owned by
+        other ranks are used, just not read here.
+    missing: model tensors (first name) with no checkpoint key; they are left untouched.
+    """
+
+    bytes_read: int
+    bytes_owned: int
+    files_opened: int
+    seconds: float
+    gbps: float
+    unused_keys: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    tensors_loaded: int = 0
+    headers_parsed: int = 0
+
+
+def _targets(model: nn.Module) -> list[Target]:
+    """Parameters and persistent buffers, each distinct tensor once with all its names."""
+    by_id: dict[int, Target] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        items = [(n, t, True) for n, t in module._parameters.items()]
+        items += [(n, t, False) for n, t in module._buffers.items() if n not in skip]
+        for attr, t, is_param in items:
+            if t is None:
+                continue
+            target = by_id.setdefault(id(t), Target([], t, is_param, []))
+            if dot + attr not in target.names:
+                target.names.append(dot + attr)
+            target.slots.append((module, attr))
+    return list(by_id.values())
+
+
+def _swap(target: Target) -> None:
+    """Put `target.fresh` into the model (no failure is possible past planning)."""
+    t = target.tensor
+    if not t.is_meta:
+        with torch.no_grad():
+            local_tensor(t).copy_(target.fresh)
+        return
+    new = target.fresh
+    if isinstance(t, DTensor):
+        new = DTensor.from_local(
+            new, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    if target.is_param:
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    for module, attr in target.slots:
+        (module._parameters if target.is_param else module._buffers)[attr] = new
+
+
+def load_sharded(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    key_map: str | KeyMap | Mapping[str, object] | None = "auto",
+    threads: int | None = None,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Load this rank's shard of every parameter and persistent buffer from safetensors files.
+
+    Args:
+        model: a module whose tensors are plain tensors (read whole) or DTensors (read only
+            this rank's part, from their own mesh and placements: `Shard(d)` and
+            `_StridedShard(d)` narrow dim d, `Replicate()` keeps it whole). Call it before
+            `fully_shard` (experts as `Shard(0)` DTensors on the EP mesh) or after it. Meta
+            tensors are replaced by new ones on `device` with the same DTensor spec and
+            requires_grad; materialized tensors are overwritten in place.
+        checkpoint: a directory with `model.safetensors.index.json`, a directory with one
+            `.safetensors` file, or a `.safetensors` file.
+        device: where meta tensors are materialized (default CPU). Ignored for others.
+        key_map: "auto" maps the model's fused experts (`...experts.gate_up_proj [E, 2I, H]`,
+            `...experts.down_proj [E, H, I]`) to per-expert keys (`experts.{i}.gate_proj.weight`
+            `[I, H]`, Mixtral's `block_sparse_moe.experts.{i}.w1/w3/w2.weight`) or 3-D keys,
+            else same names. None: same names only. A callable or mapping from model name to a
+            key, to a list of E keys stacked on a new dim 0 (an entry may be a tuple of keys
+            concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule.
+        threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
+        progress: a progress bar on stderr: None shows it on a TTY only.
+
+    Returns:
+        A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
+    """
+    t0 = time.perf_counter()
+    if threads is None:
+        # Share the CPUs with the other ranks of this node (torchrun sets LOCAL_WORLD_SIZE):
+        # page-cache reads are memcpy-bound, and cold reads are kept busy by read-ahead hints.
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        threads = max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
+    if threads < 1:
+        raise ValueError(f"load_sharded: threads must be >= 1, got {threads}")
+    ckpt = open_checkpoint(checkpoint)
+    paths = list(ckpt.files)
+    file_ids = {p: i for i, p in enumerate(paths)}
+    targets = _targets(model)
+    used: set[str] = set()
+    missing, todo = [], []
+    for target in targets:
+        target.pieces = resolve_pieces(target.names, tuple(target.tensor.shape), ckpt, key_map)
+        if not target.pieces:
+            missing.append(target.name)
+            continue
+        used.update(p.entry.key for p in target.pieces)
+        plan_target(target, file_ids, device)
+        todo.append(target)
+
+    direct = [t for t in todo if t.device.type == "cpu" and t.read_dtype == t.tensor.dtype]
+    staged = [t for t in todo if not (t.device.type == "cpu" and t.read_dtype == t.tensor.dtype)]
+    bar = Progress(sum(t.read_bytes for t in todo), progress)
+    try:
+        nread = read_direct(direct, paths, threads, bar)
+        nread += read_staged(staged, paths, threads, bar)
+    except BaseException:
+        for t in todo:
+            t.fresh = None
+        raise
+    finally:
+        bar.close()
+    for target in todo:
+        _swap(target)
+        target.fresh = None
+    files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
+    seconds = time.perf_counter() - t0
+    return LoadReport(
+        bytes_read=nread,
+        bytes_owned=sum(t.read_bytes for t in todo),
+        files_opened=len(files_read),
+        seconds=seconds,
+        gbps=nread / seconds / 1e9 if seconds > 0 else 0.0,
+        unused_keys=sorted(set(ckpt.entries) - used),
+        missing=missing,
+        tensors_loaded=len(todo),
+        headers_parsed=len(paths),
+    )

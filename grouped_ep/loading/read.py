@@ -1,0 +1,124 @@
+"""The reads of `load_sharded`: native `read_ranges` calls straight into fresh tensors, or through
+a staging buffer for tensors that need a dtype cast or live on a GPU; a progress bar."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from grouped_ep.loading.errors import LoadError
+from grouped_ep.loading.plan import Target, clip
+
+_CALL_BYTES = 1 << 30  # bytes per native call: the progress bar's granularity
+_STAGING_BYTES = 128 << 20  # cast / host-to-device staging (two buffers of half for CUDA)
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool | None):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.on = sys.stderr.isatty() if enabled is None else enabled
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.on:
+            secs = max(time.perf_counter() - self.t0, 1e-9)
+            pct = 100.0 * self.done / max(self.total, 1)
+            sys.stderr.write(
+                f"\rload_sharded: {pct:5.1f}% {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
+                f"{self.done / secs / 1e9:.2f} GB/s"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.on:
+            sys.stderr.write("\n")
+
+
+def _read(paths: list[str], outs: list[torch.Tensor], rows: np.ndarray, threads: int) -> int:
+    """One native call: rows [N, 5] = (file, out, src, dst, length)."""
+    if len(rows) == 0:
+        return 0
+    try:
+        return torch.ops.grouped_ep.read_ranges(paths, outs, torch.from_numpy(rows), threads)
+    except RuntimeError as e:
+        raise LoadError(str(e).split("\n")[0]) from None
+
+
+def read_direct(targets, paths, threads, progress) -> int:
+    """Targets read as-is into fresh CPU tensors, in native calls of about 1 GiB each."""
+    batches: list[list[Target]] = [[]]
+    size = 0
+    for target in targets:
+        if size >= _CALL_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(target)
+        size += target.read_bytes
+    total = 0
+    for batch in batches:
+        rows = [np.zeros((0, 5), np.int64)]
+        for j, target in enumerate(batch):
+            target.fresh = torch.empty(target.local_shape, dtype=target.read_dtype)
+            rows.append(np.insert(target.rows, 1, j, axis=1))
+        n = _read(paths, [t.fresh for t in batch], np.concatenate(rows), threads)
+        total += n
+        progress.add(n)
+    return total
+
+
+def read_staged(targets, paths, threads, progress) -> int:
+    """Targets that need a cast or live on a GPU: windows of their local tensor go through a
+    staging buffer (pinned and double-buffered for CUDA), then `copy_` casts / uploads them."""
+    if not targets:
+        return 0
+    cuda = any(t.device.type == "cuda" for t in targets)
+    nbuf = 2 if cuda else 1
+    size = _STAGING_BYTES // nbuf
+    # Windows of at most `size` bytes, packed into fills of the staging buffer: lists of
+    # (target, first element, end element, byte offset in the buffer).
+    fills: list[list[tuple[Target, int, int, int]]] = []
+    fill, used = [], 0
+    for target in targets:
+        target.fresh = torch.empty(
+            target.local_shape, dtype=target.tensor.dtype, device=target.device
+        )
+        item = target.read_dtype.itemsize
+        numel, step = target.read_bytes // item, max(1, size // item)
+        for b in range(0, numel, step):
+            e = min(numel, b + step)
+            if fill and used + (e - b) * item > size:
+                fills.append(fill)
+                fill, used = [], 0
+            fill.append((target, b, e, used))
+            used = (used + (e - b) * item + 63) // 64 * 64  # keep every window aligned
+    if fill:
+        fills.append(fill)
+
+    staging = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(nbuf)]
+    events: list = [None] * nbuf
+    total = 0
+    for k, fill in enumerate(fills):
+        buf = staging[k % nbuf]
+        if events[k % nbuf] is not None:
+            events[k % nbuf].synchronize()  # the upload that last read this buffer is done
+        rows = []
+        for target, b, e, off in fill:
+            item = target.read_dtype.itemsize
+            r = clip(target.rows, b * item, e * item)
+            r[:, 2] += off
+            rows.append(np.insert(r, 1, 0, axis=1))
+        n = _read(paths, [buf], np.concatenate(rows), threads)
+        total += n
+        progress.add(n)
+        for target, b, e, off in fill:
+            src = buf[off : off + (e - b) * target.read_dtype.itemsize].view(target.read_dtype)
+            target.fresh.view(-1)[b:e].copy_(src, non_blocking=cuda)
+        if cuda:
+            events[k % nbuf] = torch.cuda.Event()
+            events[k % nbuf].record()
+    if cuda:
+        torch.cuda.synchronize()
+    return total

@@ -1,0 +1,164 @@
+"""MoE layers on the grouped GEMM: SwiGLU experts and a top-k routed MoE block (its token
+dispatch is `grouped_ep.moe.dispatch`).
+
+Weight layout is the one of Hugging Face transformers v5 (`Qwen3MoeExperts`, `MixtralExperts`):
+`gate_up_proj [E, 2I, H]` (the I gate rows first, then the I up rows) and `down_proj [E, H, I]`,
+both in the nn.Linear orientation, used by `grouped_ep.gemm(..., trans_w=True)` without a copy.
+
+Expert parallel (EP): `grouped_ep.parallel.apply_expert_parallel` turns each expert weight into
+a DTensor `Shard(0)` on the EP mesh and sets `ep_mesh` on the experts module. The MoE then sends
+each routed token to the rank that owns its expert (`all_to_all_single`), runs the local experts
+on what it received, and sends the results back the same way. Model code never unwraps the
+DTensor: `grouped_ep.gemm` computes on the local shard and returns the weight gradient as a
+DTensor with the same spec.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from grouped_ep.moe.dispatch import routed_experts_forward
+from grouped_ep.ops import gemm
+
+__all__ = ["GroupedExperts", "MoE", "route", "swiglu_experts"]
+
+
+def swiglu_experts(
+    x: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    offs: Tensor,
+    act_fn: Callable[[Tensor], Tensor] = F.silu,
+) -> Tensor:
+    """SwiGLU experts on tokens grouped by expert: `down(act(gate(x)) * up(x))` per group.
+
+    Args:
+        x: `[T, H]`, rows grouped by expert (expert 0's rows first).
+        gate_up_proj: `[E, 2I, H]`, gate rows `[:I]`, up rows `[I:]`; plain tensor or DTensor
+            `Shard(0)` (then E is the local expert count).
+        down_proj: `[E, H, I]`, same kind as `gate_up_proj`.
+        offs: `[E]` int32 cumulative end offsets of the groups in `x`.
+        act_fn: activation of the gate half (SiLU for Qwen3-MoE and Mixtral).
+
+    Returns:
+        `[T, H]`.
+    """
+    gate_up = gemm(x, gate_up_proj, offs, trans_w=True)  # [T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gemm(act_fn(gate) * up, down_proj, offs, trans_w=True)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights, computed with one grouped GEMM per projection.
+
+    Parameters (transformers v5 layout): `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
+    After `apply_expert_parallel` both are DTensors `Shard(0)` on the EP mesh and `ep_mesh` is
+    that mesh; `forward` then takes the tokens of the local experts only.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden", hidden)):
+            if value < 1:
+                raise ValueError(f"GroupedExperts: {name} must be >= 1, got {value}")
+        if intermediate < 1:
+            raise ValueError(f"GroupedExperts: intermediate must be >= 1, got {intermediate}")
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.intermediate = intermediate
+        factory = {"dtype": dtype, "device": device}
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate, hidden, **factory)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
+        self.ep_mesh: DeviceMesh | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per expert (uniform in +-1/sqrt(fan_in))."""
+        with torch.no_grad():
+            nn.init.uniform_(
+                self.gate_up_proj, -1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden)
+            )
+            bound = 1 / math.sqrt(self.intermediate)
+            nn.init.uniform_(self.down_proj, -bound, bound)
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        """x: `[T, H]` grouped by (local) expert; offs: `[E_local]` int32 end offsets -> `[T, H]`."""
+        return swiglu_experts(x, self.gate_up_proj, self.down_proj, offs)
+
+    def extra_repr(self) -> str:
+        ep = "" if self.ep_mesh is None else f", ep={self.ep_mesh.size()}"
+        return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}{ep}"
+
+
+def route(
+    x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax top-k routing, as Qwen3-MoE and Mixtral do it.
+
+    Args:
+        x: `[T, H]`. router_weight: `[E, H]`.
+        top_k: experts per token. norm_topk_prob: renormalize the k probabilities to sum to 1.
+
+    Returns:
+        `(logits [T, E], weights [T, k] in x's dtype, expert_ids [T, k] int64)`. The softmax runs
+        in fp32 (fp64 for fp64 inputs).
+    """
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(logits.dtype), expert_ids
+
+
+class MoE(nn.Module):
+    """Sparse MoE block: softmax top-k router (Linear, no bias) and SwiGLU `GroupedExperts`.
+
+    forward(x `[..., H]`) -> `[..., H]`. Without EP every expert runs here. With EP (set by
+    `grouped_ep.parallel.apply_expert_parallel`), each rank keeps its own tokens; routed copies
+    go to the experts' ranks with `all_to_all_single` and come back the same way, autograd
+    flowing through both. One host sync per layer: the all-to-all split sizes.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.num_experts = num_experts
+        self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        self.experts = GroupedExperts(num_experts, hidden, intermediate, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        _, weights, expert_ids = route(x, self.router.weight, self.top_k, self.norm_topk_prob)
+        out = routed_experts_forward(
+            x, expert_ids, weights, self.num_experts, self.experts, self.experts.ep_mesh
+        )
+        return out.view(shape)
