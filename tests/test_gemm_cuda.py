@@ -288,7 +288,16 @@ def test_compute_sanitizer_memcheck_clean():
     # access past a tensor's end (inside a cached block it could not).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     proc = run_group(
-        [exe, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", _SANITIZER_SCRIPT],
+        [
+            exe,
+            "--tool",
+            "memcheck",
+            "--error-exitcode",
+            "3",
+            sys.executable,
+            "-c",
+            _SANITIZER_SCRIPT,
+        ],
         capture=True,
         timeout=600,
         env=env,

@@ -25,8 +25,8 @@ from torch import nn
 import grouped_ep
 from grouped_ep import LoadError, load_sharded
 from grouped_ep.loading import load as loader
-from grouped_ep.loading import read as loader_read
 from grouped_ep.loading import plan as sf
+from grouped_ep.loading import read as loader_read
 
 # ---- planning math ------------------------------------------------------------------------------
 
