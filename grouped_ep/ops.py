@@ -1,54 +1,121 @@
-"""Public wrappers, fake kernels and autograd for the grouped_ep ops.
+"""The Python side of the grouped_ep ops: typed aliases, fake kernels, autograd, DTensor rules.
 
-Per op one block: a typed wrapper, `register_fake` (shapes and dtypes only), and
-`register_autograd` whose backward calls other registered ops.
+Per op one block: a typed alias of `torch.ops.grouped_ep.<op>`, `register_fake` (shapes and
+dtypes only), and `register_autograd` whose backward calls other registered ops.
+
+DTensor arguments are handled by the op itself, through torch's extension point for tensor
+subclasses, `torch.library.register_torch_dispatch(op, DTensor, rule)`: when any argument is a
+DTensor, the rule runs below autograd, computes on the local tensors and wraps the result. Model
+code calls `torch.ops.grouped_ep.gemm(x, w, offs, True)` with `w` an expert weight as it lives in
+the sharded model (`Shard(0)` on the expert dim, or `Replicate()`, on a 1-D or 2-D mesh), and
+never calls `.to_local()`. The backward wraps the local weight gradient with `w`'s mesh:
+`Shard(0)` stays `Shard(0)`; a `Replicate()` dim becomes `Partial()` (each rank's gradient holds
+only its own tokens' contribution; labelling it `Replicate` would let replicas drift apart).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 _ops = torch.ops.grouped_ep
 
-
-# ---- DTensor weights ------------------------------------------------------------------------------
-# Expert weights in an EP model are DTensors sharded on the expert dim (`Shard(0)`) of the EP
-# mesh, or replicated. The op runs on the local shard: `local_weight` unwraps it with a
-# differentiable `to_local`, whose backward wraps the local weight gradient back into a DTensor
-# with the weight's own mesh and placements. Model code never calls `.to_local()` itself.
+__all__ = ["gemm", "gemm_wgrad"]
 
 
-def check_weight_placements(w: DTensor, name: str = "w") -> None:
-    """Raise unless every placement of `w` is Shard(0) (the expert dim) or Replicate()."""
-    for mesh_dim, p in enumerate(w.placements):
+# ---- DTensor rules ----------------------------------------------------------------------------
+
+
+def _mesh_dims(t: DTensor) -> tuple:
+    mesh = t.device_mesh
+    return mesh.mesh_dim_names or tuple(range(mesh.ndim))
+
+
+def _check_placements(op: str, name: str, t: DTensor, allowed: str) -> None:
+    """Raise unless every placement of `t` is Shard(0) or Replicate()."""
+    for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0):
             continue
         raise ValueError(
-            f"grouped_ep.gemm: {name} is a DTensor with placements {tuple(w.placements)} on mesh "
-            f"dims {w.device_mesh.mesh_dim_names or tuple(range(w.device_mesh.ndim))}; mesh dim "
-            f"{mesh_dim} has {p}. Only Shard(0) (experts split across ranks) or Replicate() can be "
-            "computed on the local shard. Gather other shardings first (FSDP does this in forward)."
+            f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} on mesh dim {mesh_dim} "
+            f"({_mesh_dims(t)[mesh_dim]!r}) of {tuple(t.placements)}; only Shard(0) ({allowed}) "
+            "or Replicate() can be computed on the local shard. Gather other shardings first "
+            "(FSDP does this in forward)."
         )
 
 
-def local_weight(w: torch.Tensor, name: str = "w") -> torch.Tensor:
-    """The local expert shard of `w` (a DTensor) or `w` itself (a plain tensor)."""
+def _local(op: str, name: str, t: Tensor, allowed: str) -> Tensor:
+    if not isinstance(t, DTensor):
+        return t
+    _check_placements(op, name, t, allowed)
+    return t._local_tensor
+
+
+def _wrap_rows(out: Tensor, like: DTensor) -> DTensor:
+    """`out` (this rank's rows) as a DTensor with the spec of `like` (a DTensor of rows)."""
+    rows = like.shape[0]
+    shape = (rows, *out.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        out, like.device_mesh, like.placements, run_check=False, shape=shape, stride=stride
+    )
+
+
+def weight_grad_placements(w: DTensor) -> list[Placement]:
+    """Placements of `w`'s gradient: Shard(0) stays, Replicate() becomes Partial() (ranks saw
+    different tokens, so each holds a partial sum)."""
+    return [Partial() if isinstance(p, Replicate) else p for p in w.placements]
+
+
+def _wrap_weight_grad(dw: Tensor, w: Tensor) -> Tensor:
     if not isinstance(w, DTensor):
-        return w
-    check_weight_placements(w, name)
-    # grad_placements default to the forward placements: the weight gradient comes back as a
-    # DTensor with w's own spec.
-    return w.to_local()
+        return dw
+    if isinstance(dw, DTensor):  # from a DTensor x: its local sum over this rank's rows
+        dw = dw._local_tensor
+    return DTensor.from_local(
+        dw, w.device_mesh, weight_grad_placements(w), run_check=False, shape=w.shape,
+        stride=w.stride(),
+    )  # fmt: skip
 
 
-def check_plain(t: torch.Tensor, name: str) -> None:
-    if isinstance(t, DTensor):
-        raise ValueError(
-            f"grouped_ep.gemm: {name} is a DTensor; pass this rank's local tokens as a plain tensor "
-            "(only the expert weight w may be a DTensor)"
-        )
+def _args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
+    values = list(args) + [kwargs[n] for n in names[len(args) :] if n in kwargs]
+    return values + [False] * (len(names) - len(values))  # the one defaulted arg: trans_w
+
+
+def _gemm_dtensor(mode, func, types, args, kwargs=None):
+    x, w, offs, trans_w = _args(args, kwargs or {}, ("x", "w", "offs", "trans_w"))
+    out = func(
+        _local("gemm", "x", x, "rows split across ranks"),
+        _local("gemm", "w", w, "experts split across ranks"),
+        _local("gemm", "offs", offs, "this rank's offsets"),
+        trans_w,
+    )
+    return _wrap_rows(out, x) if isinstance(x, DTensor) else out
+
+
+def _gemm_wgrad_dtensor(mode, func, types, args, kwargs=None):
+    x, dy, offs, trans_w = _args(args, kwargs or {}, ("x", "dy", "offs", "trans_w"))
+    out = func(
+        _local("gemm_wgrad", "x", x, "rows split across ranks"),
+        _local("gemm_wgrad", "dy", dy, "rows split across ranks"),
+        _local("gemm_wgrad", "offs", offs, "this rank's offsets"),
+        trans_w,
+    )
+    rows = x if isinstance(x, DTensor) else dy if isinstance(dy, DTensor) else None
+    if rows is None:
+        return out
+    # Each rank summed its own rows: a partial sum over every mesh dim the rows are split on.
+    placements = [Partial() if isinstance(p, Shard) else Replicate() for p in rows.placements]
+    return DTensor.from_local(
+        out, rows.device_mesh, placements, run_check=False, shape=out.shape, stride=out.stride()
+    )
+
+
+torch.library.register_torch_dispatch("grouped_ep::gemm", DTensor, _gemm_dtensor)
+torch.library.register_torch_dispatch("grouped_ep::gemm_wgrad", DTensor, _gemm_wgrad_dtensor)
 
 
 # ---- gemm ----------------------------------------------------------------------------------------
@@ -57,12 +124,18 @@ def check_plain(t: torch.Tensor, name: str) -> None:
 def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor:
     """Grouped matrix product: group g's rows of `x` times expert g's weight.
 
+    The same as `torch.ops.grouped_ep.gemm(x, w, offs, trans_w)`, which model code may call
+    directly (DTensor weights included).
+
     Args:
-        x: `[T, K]`, rows grouped by expert (expert 0's rows first). A plain tensor.
+        x: `[T, K]`, rows grouped by expert (expert 0's rows first): this rank's tokens. A plain
+            tensor, or a DTensor (`Shard(0)` or `Replicate()`) whose local tensor holds them;
+            then the output is a DTensor with x's spec.
         w: `[E, K, N]`, or `[E, N, K]` with `trans_w=True` (the nn.Linear / Hugging Face layout,
-            used without a copy). A plain tensor, or a DTensor sharded on the expert dim
-            (`Shard(0)`) or replicated: then E is the local expert count and the op runs on the
-            local shard; the weight gradient comes back as a DTensor with the same spec.
+            used without a copy). A plain tensor, or a DTensor whose placements are `Shard(0)`
+            (experts split across ranks) or `Replicate()` on every mesh dim: then E is the local
+            expert count, the op runs on the local shard, and the weight gradient is a DTensor
+            on w's mesh (`Shard(0)` kept, `Replicate()` turned into `Partial()`).
         offs: `[E]` int32 (int64 accepted), cumulative end offsets on x's device: group g is
             rows `offs[g-1]:offs[g]`. Empty groups are allowed; rows past `offs[-1]` give zeros.
             On CPU, decreasing offsets or `offs[-1] > T` raise. On CUDA the host never reads
@@ -73,9 +146,7 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor
     Returns:
         `[T, N]` in x's dtype, accumulated in fp32 (fp64 for fp64 inputs).
     """
-    check_plain(x, "x")
-    check_plain(offs, "offs")
-    return _ops.gemm(x, local_weight(w), offs, trans_w)
+    return _ops.gemm(x, w, offs, trans_w)
 
 
 def _check_offs_meta(op: str, offs: Tensor, groups: int | None, x: Tensor) -> None:
@@ -126,7 +197,7 @@ def _gemm_backward(ctx, dy: Tensor):
         # dx_g = dy_g @ w_g^T: the same op with w read the other way round.
         dx = _ops.gemm(dy, w, offs, not ctx.trans_w)
     if ctx.needs_input_grad[1]:
-        dw = _ops.gemm_wgrad(x, dy, offs, ctx.trans_w)
+        dw = _wrap_weight_grad(_ops.gemm_wgrad(x, dy, offs, ctx.trans_w), w)
     return dx, dw, None, None
 
 
@@ -141,8 +212,12 @@ torch.library.register_autograd(
 def gemm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor:
     """Weight gradient of `gemm`, the "ragged K" product, one output per group.
 
+    The same as `torch.ops.grouped_ep.gemm_wgrad(x, dy, offs, trans_w)`.
+
     Args:
-        x: `[T, K]`, dy: `[T, N]`, rows grouped by expert as in `gemm`.
+        x: `[T, K]`, dy: `[T, N]`, rows grouped by expert as in `gemm`. Plain tensors, or
+            DTensors whose local tensors hold this rank's rows: then the result is a DTensor on
+            their mesh, `Partial()` where the rows are sharded (each rank summed its own rows).
         offs: `[E]` cumulative end offsets (int32 or int64) on x's device.
         trans_w: layout of the result, matching `gemm`'s `w`.
 
@@ -180,6 +255,8 @@ def _wgrad_backward(ctx, grad: Tensor):
     # out_g = x_g^T dy_g  ([K, N]):  d x_g = dy_g grad_g^T,  d dy_g = x_g grad_g.
     # out_g = dy_g^T x_g  ([N, K]):  d x_g = dy_g grad_g,    d dy_g = x_g grad_g^T.
     x, dy, offs = ctx.saved_tensors
+    if isinstance(grad, DTensor):  # the gradient of a weight gradient: this rank's experts
+        grad = grad._local_tensor
     dx = ddy = None
     if ctx.needs_input_grad[0]:
         dx = _ops.gemm(dy, grad, offs, not ctx.trans_w)

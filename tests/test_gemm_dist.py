@@ -1,4 +1,5 @@
-"""grouped_ep.gemm with DTensor expert weights on a 2-rank gloo mesh vs a single-process run."""
+"""`torch.ops.grouped_ep.gemm` itself on DTensor expert weights, on gloo meshes of 2 and 4 ranks,
+against an fp64 reference of each rank's local problem. Every rank has different tokens."""
 
 from __future__ import annotations
 
@@ -8,101 +9,180 @@ from _dist import RankError, run_ranks
 from _gemm_ref import assert_close, gemm_ref, offsets, wgrad_ref
 
 E, K, N = 6, 12, 10
-SIZES = [5, 0, 3, 9, 1, 4]  # expert 1 gets no tokens
+SIZES = [5, 0, 3, 9, 1, 4]  # tokens per expert on data-parallel rank 0; expert 1 gets none
 
 
-def _full_problem(trans_w: bool):
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(E, *((N, K) if trans_w else (K, N)), generator=g, dtype=torch.float64)
-    x = torch.randn(sum(SIZES), K, generator=g, dtype=torch.float64)
-    dy = torch.randn(sum(SIZES), N, generator=g, dtype=torch.float64)
-    return x, w, dy
+def _problem(dp_rank: int, trans_w: bool):
+    """The weights (the same everywhere) and data-parallel rank `dp_rank`'s tokens."""
+    w = torch.randn(
+        E, *((N, K) if trans_w else (K, N)), generator=torch.Generator().manual_seed(7),
+        dtype=torch.float64,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    sizes = SIZES if dp_rank == 0 else [s + dp_rank for s in reversed(SIZES)]
+    x = torch.randn(sum(sizes), K, generator=g, dtype=torch.float64)
+    dy = torch.randn(sum(sizes), N, generator=g, dtype=torch.float64)
+    return w, x, dy, sizes
 
 
-def _ep_rank(rank: int, world: int, trans_w: bool):
-    """Rank r owns experts [r*E/world, (r+1)*E/world) and the tokens routed to them."""
-    import torch.distributed as dist
+def _rows_of(sizes: list[int], lo: int, hi: int) -> slice:
+    ends = offsets(sizes).tolist()
+    return slice(ends[lo - 1] if lo else 0, ends[hi - 1])
+
+
+def _ep_rank(rank: int, world: int, dp: int, trans_w: bool):
+    """Mesh ("ep",) when dp == 1, else ("dp", "ep"); rank (d, e) owns experts [e*E/ep, ...) and
+    the tokens of data-parallel rank d routed to them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    import grouped_ep
+    import grouped_ep  # noqa: F401  (registers the op)
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    x, w, dy = _full_problem(trans_w)
-    per = E // world
-    lo, hi = rank * per, (rank + 1) * per
-    ends = offsets(SIZES).tolist()
-    row_lo, row_hi = (ends[lo - 1] if lo else 0), ends[hi - 1]
-
-    w_dt = DTensor.from_local(w[lo:hi].clone(), mesh, [Shard(0)]).requires_grad_(True)
+    ep = world // dp
+    if dp == 1:
+        mesh, placements, d, e = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)), [Shard(0)], 0, rank  # fmt: skip
+    else:
+        mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+        placements, (d, e) = [Replicate(), Shard(0)], divmod(rank, ep)
+    w, x, dy, sizes = _problem(d, trans_w)
+    lo, hi = e * E // ep, (e + 1) * E // ep
+    rows = _rows_of(sizes, lo, hi)
+    w_dt = DTensor.from_local(w[lo:hi].clone(), mesh, placements, run_check=False)
+    w_dt.requires_grad_(True)
     assert w_dt.shape == w.shape  # the global view is the full expert stack
-    x_local = x[row_lo:row_hi].clone().requires_grad_(True)
-    offs_local = offsets(SIZES[lo:hi])
-    out = grouped_ep.gemm(x_local, w_dt, offs_local, trans_w=trans_w)
-    assert not isinstance(out, DTensor)  # tokens stay plain tensors
-    out.backward(dy[row_lo:row_hi])
+    x_local = x[rows].clone().requires_grad_(True)
+    offs_local = offsets(sizes[lo:hi])
 
+    out = torch.ops.grouped_ep.gemm(x_local, w_dt, offs_local, trans_w)
+    assert type(out) is torch.Tensor  # plain tokens in, plain tokens out
+    out.backward(dy[rows])
+    assert type(x_local.grad) is torch.Tensor
     grad = w_dt.grad
-    assert isinstance(grad, DTensor), type(grad)
-    assert grad.placements == w_dt.placements and grad.device_mesh == mesh
-    full_grad = grad.full_tensor()  # a collective: every rank's shard, stitched
-    dist.barrier()
-    return out.detach(), x_local.grad, full_grad
+    assert isinstance(grad, DTensor) and grad.device_mesh == mesh, type(grad)
+    want = [Partial() if isinstance(p, Replicate) else p for p in placements]
+    assert list(grad.placements) == want, grad.placements
+
+    local_w = w[lo:hi]
+    assert_close(out.detach(), gemm_ref(x[rows], local_w, offs_local, trans_w), torch.float64)
+    dx_ref = gemm_ref(dy[rows], local_w, offs_local, not trans_w)
+    assert_close(x_local.grad, dx_ref, torch.float64)
+    assert_close(grad.to_local(), wgrad_ref(x[rows], dy[rows], offs_local, trans_w), torch.float64)
+    return grad.full_tensor()  # a collective: experts stitched, dp partial sums added
 
 
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
-def test_dtensor_shard0_matches_single_process(trans_w):
-    results = run_ranks(_ep_rank, 2, trans_w, timeout=120)
-    x, w, dy = _full_problem(trans_w)
-    offs = offsets(SIZES)
-    out_ref = gemm_ref(x, w, offs, trans_w)
-    dx_ref = gemm_ref(dy, w, offs, not trans_w)
-    dw_ref = wgrad_ref(x, dy, offs, trans_w)
-    out = torch.cat([r[0] for r in results])
-    dx = torch.cat([r[1] for r in results])
-    assert_close(out, out_ref, torch.float64)
-    assert_close(dx, dx_ref, torch.float64)
-    for _, _, full_grad in results:
-        assert_close(full_grad, dw_ref, torch.float64)
-    assert torch.all(dw_ref[1] == 0) and torch.all(results[0][2][1] == 0)  # expert without tokens
+@pytest.mark.parametrize("dp,world", [(1, 2), (2, 4)], ids=["ep_mesh", "dp_ep_mesh"])
+def test_raw_op_on_shard0_weight(dp, world, trans_w):
+    full_grads = run_ranks(_ep_rank, world, dp, trans_w, timeout=180)
+    want = sum(
+        wgrad_ref(x, dy, offsets(sizes), trans_w)
+        for w, x, dy, sizes in (_problem(d, trans_w) for d in range(dp))
+    )
+    for g in full_grads:
+        assert_close(g, want, torch.float64)
+    assert torch.all(full_grads[0][1] == 0) == (dp == 1)  # expert 1 has tokens only on dp rank 1
 
 
-def _replicated_and_bad(rank: int, world: int):
+def _replicated(rank: int, world: int):
+    """A replicated weight, different tokens per rank: the gradient is Partial, and replicas
+    stepped with its reduced value stay identical."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 
-    import grouped_ep
+    import grouped_ep  # noqa: F401
 
     mesh = init_device_mesh("cpu", (world,))
-    x, w, dy = _full_problem(False)
-    offs = offsets(SIZES)
+    w, x, dy, sizes = _problem(rank, False)
+    offs = offsets(sizes)
     w_rep = distribute_tensor(w, mesh, [Replicate()]).requires_grad_(True)
-    out = grouped_ep.gemm(x, w_rep, offs)
+    out = torch.ops.grouped_ep.gemm(x, w_rep, offs, False)
     out.backward(dy)
-    assert isinstance(w_rep.grad, DTensor) and w_rep.grad.placements == (Replicate(),)
+    assert w_rep.grad.placements == (Partial(),), w_rep.grad.placements
     assert_close(out, gemm_ref(x, w, offs), torch.float64)
     assert_close(w_rep.grad.to_local(), wgrad_ref(x, dy, offs), torch.float64)
+    reduced = w_rep.grad.redistribute(placements=[Replicate()])
+    with torch.no_grad():
+        w_rep -= 0.1 * reduced
+    return reduced.to_local(), w_rep.to_local()
 
+
+def test_replicated_weight_gets_partial_gradient():
+    (g0, w0), (g1, w1) = run_ranks(_replicated, 2, timeout=120)
+    want = sum(wgrad_ref(x, dy, offsets(s)) for _, x, dy, s in (_problem(r, False) for r in (0, 1)))
+    assert_close(g0, want, torch.float64)
+    assert torch.equal(g0, g1) and torch.equal(w0, w1)  # replicas stay replicas
+
+
+def _errors_and_dtensor_tokens(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    import grouped_ep  # noqa: F401
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    w, x, dy, sizes = _problem(0, False)
+    offs = offsets(sizes)
     errors = []
     w_bad = distribute_tensor(w, mesh, [Shard(1)])
-    try:
-        grouped_ep.gemm(x[:, : K // world], w_bad, offs)
-    except ValueError as e:
-        errors.append(str(e))
-    x_dt = distribute_tensor(x, mesh, [Replicate()])
-    try:
-        grouped_ep.gemm(x_dt, w_rep, offs)
-    except ValueError as e:
-        errors.append(str(e))
+    for args in ((x[:, : K // world], w_bad, offs), (distribute_tensor(x, mesh, [Shard(1)]), w, offs)):  # fmt: skip
+        try:
+            torch.ops.grouped_ep.gemm(*args, False)
+        except ValueError as e:
+            errors.append(str(e))
+    # Tokens as a DTensor Shard(0): its local rows are this rank's; the output keeps its spec.
+    x_dt = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+    out = torch.ops.grouped_ep.gemm(x_dt, w, offs, False)
+    assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+    assert out.shape == (world * x.shape[0], N)
+    assert_close(out.to_local(), gemm_ref(x, w, offs), torch.float64)
     return errors
 
 
-def test_dtensor_replicate_and_clear_errors():
-    for errors in run_ranks(_replicated_and_bad, 2, timeout=120):
+def test_bad_placements_name_argument_placement_and_mesh_dim():
+    for errors in run_ranks(_errors_and_dtensor_tokens, 2, timeout=120):
         assert len(errors) == 2
-        assert "w is a DTensor with placements (Shard(dim=1),)" in errors[0]
-        assert "Only Shard(0)" in errors[0]
-        assert "x is a DTensor" in errors[1]
+        assert "w is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[0]
+        assert "x is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[1]
+
+
+def _compiled(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import grouped_ep  # noqa: F401
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    w, x, dy, sizes = _problem(0, True)
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    rows = _rows_of(sizes, lo, hi)
+    offs = offsets(sizes[lo:hi])
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shard = DTensor.from_local(w[lo:hi].clone(), mesh, [Shard(0)], run_check=False)
+            self.w = torch.nn.Parameter(shard)
+
+        def forward(self, x, offs):
+            return torch.nn.functional.silu(torch.ops.grouped_ep.gemm(x, self.w, offs, True))
+
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        module = Experts()
+        fn = torch.compile(module, fullgraph=True) if compiled else module
+        xi = x[rows].clone().requires_grad_(True)
+        out = fn(xi, offs)
+        out.backward(dy[rows])
+        results.append((out.detach(), xi.grad, module.w.grad.to_local(), module.w.grad.placements))
+    return results
+
+
+def test_compile_fullgraph_on_dtensor_weight_matches_eager():
+    for eager, compiled in run_ranks(_compiled, 2, timeout=300):
+        for a, b in zip(eager[:3], compiled[:3]):
+            assert_close(b, a, torch.float64)
+        assert eager[3] == compiled[3]
 
 
 def test_run_ranks_reports_failing_rank():

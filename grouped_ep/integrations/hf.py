@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.integrations.moe import ExpertsInterface
 
+import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep.moe.dispatch import routed_experts_forward
-from grouped_ep.ops import gemm
 from grouped_ep.parallel import experts_modules, fully_shard_moe
 
 __all__ = [
@@ -75,8 +75,9 @@ def grouped_ep_experts_forward(
     trans_w = not getattr(self, "is_transposed", False)
 
     def compute(x: Tensor, offs: Tensor) -> Tensor:
-        gate_up = gemm(x.to(self.gate_up_proj.dtype), self.gate_up_proj, offs, trans_w=trans_w)
-        return gemm(self._apply_gate(gate_up), self.down_proj, offs, trans_w=trans_w)
+        gemm = torch.ops.grouped_ep.gemm
+        gate_up = gemm(x.to(self.gate_up_proj.dtype), self.gate_up_proj, offs, trans_w)
+        return gemm(self._apply_gate(gate_up), self.down_proj, offs, trans_w)
 
     return routed_experts_forward(
         hidden_states,

@@ -3,13 +3,13 @@ dispatch is `grouped_ep.moe.dispatch`).
 
 Weight layout is the one of Hugging Face transformers v5 (`Qwen3MoeExperts`, `MixtralExperts`):
 `gate_up_proj [E, 2I, H]` (the I gate rows first, then the I up rows) and `down_proj [E, H, I]`,
-both in the nn.Linear orientation, used by `grouped_ep.gemm(..., trans_w=True)` without a copy.
+both in the nn.Linear orientation, used by `torch.ops.grouped_ep.gemm(x, w, offs, True)` without a copy.
 
 Expert parallel (EP): `grouped_ep.parallel.apply_expert_parallel` turns each expert weight into
 a DTensor `Shard(0)` on the EP mesh and sets `ep_mesh` on the experts module. The MoE then sends
 each routed token to the rank that owns its expert (`all_to_all_single`), runs the local experts
 on what it received, and sends the results back the same way. Model code never unwraps the
-DTensor: `grouped_ep.gemm` computes on the local shard and returns the weight gradient as a
+DTensor: `torch.ops.grouped_ep.gemm` computes on the local shard and returns the weight gradient as a
 DTensor with the same spec.
 """
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep.moe.dispatch import routed_experts_forward
-from grouped_ep.ops import gemm
 
 __all__ = ["GroupedExperts", "MoE", "route", "swiglu_experts"]
 
@@ -49,9 +49,9 @@ def swiglu_experts(
     Returns:
         `[T, H]`.
     """
-    gate_up = gemm(x, gate_up_proj, offs, trans_w=True)  # [T, 2I]
+    gate_up = torch.ops.grouped_ep.gemm(x, gate_up_proj, offs, True)  # [T, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
-    return gemm(act_fn(gate) * up, down_proj, offs, trans_w=True)
+    return torch.ops.grouped_ep.gemm(act_fn(gate) * up, down_proj, offs, True)
 
 
 class GroupedExperts(nn.Module):
