@@ -41,11 +41,13 @@ __all__ = [
 DENSE_DIM = "dp_ep"
 
 
-def make_mesh(dp: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
+def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
     """The 2-D `("dp", "ep")` mesh over `dp * ep` ranks.
 
-    Call on every rank after `torch.distributed.init_process_group`. Ranks `[d*ep, (d+1)*ep)`
-    form EP group d. `dense_mesh(mesh)`, the flattened `"dp_ep"` dim, is created here too.
+    Call on every rank after `torch.distributed.init_process_group` (NCCL for `cuda`, gloo for
+    `cpu`). Ranks `[d*ep, (d+1)*ep)` form EP group d. `dense_mesh(mesh)`, the flattened
+    `"dp_ep"` dim, is created here too. `device_type`: default `"cuda"` when a GPU is present
+    (set the rank's device first, `torch.cuda.set_device(local_rank)`), else `"cpu"`.
     """
     import torch.distributed as dist
 
@@ -54,6 +56,8 @@ def make_mesh(dp: int, ep: int, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if dp * ep != world:
         raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
     mesh._flatten(DENSE_DIM)
     return mesh

@@ -201,20 +201,92 @@ def test_parallelize_ep2_matches_single_process():
         assert_grads_close(got[0][kind][1], ref_grads)
 
 
-def test_meta_build_load_sharded_and_buffers_give_same_logits(tmp_path):
-    # The user path of the README: build on meta, load_sharded, recompute rotary buffers.
+def test_meta_build_load_sharded_runs_without_another_call(tmp_path):
+    # load_sharded leaves nothing on meta: rotary buffers are recomputed from the module itself.
     from grouped_ep import load_sharded
-    from grouped_ep.hf import init_nonpersistent_buffers
 
     model = make_model("qwen3_moe").eval()
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    assert any(b.is_meta for b in meta.buffers())  # rotary inv_freq is in no checkpoint
     report = load_sharded(meta, tmp_path)
     assert not report.missing and not report.unused_keys, report
-    assert any(b.is_meta for b in meta.buffers())  # rotary inv_freq is in no checkpoint
-    init_nonpersistent_buffers(meta, torch.device("cpu"))
     assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(dict(meta.named_buffers())[name], buf, rtol=0, atol=0)
     tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(meta.eval()(tokens).logits, model(tokens).logits)
+
+
+def _readme_load_path(rank: int, world: int, path: str) -> dict:
+    """The README's load path, exactly as printed there."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import grouped_ep
+    import grouped_ep.hf
+    from grouped_ep.parallel import make_mesh
+
+    mesh = make_mesh(dp=1, ep=2)  # after init_process_group
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    grouped_ep.hf.parallelize(model, mesh)  # experts Shard(0) over "ep", FSDP2 over all ranks
+    report = grouped_ep.load_sharded(model, path, device="cpu")  # this rank's bytes only
+    ids = batch(world)[rank]
+    logits = model(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opt.step()
+    after = model(ids).logits.detach()
+    return {"logits": logits.detach(), "after": after, "owned": report.bytes_owned}
+
+
+@pytest.mark.slow
+def test_readme_load_path_gives_transformers_logits(tmp_path):
+    model = make_model("qwen3_moe").eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    got = run_ranks(_readme_load_path, 2, str(tmp_path), timeout=150)
+    ids = batch(2)
+    for rank, out in enumerate(got):
+        with torch.no_grad():
+            ref = model(ids[rank]).logits
+        torch.testing.assert_close(out["logits"], ref, atol=TOL, rtol=0)
+        assert not torch.allclose(out["after"], out["logits"])  # the AdamW step changed them
+        assert out["owned"] > 0
+
+
+def test_strict_load_names_params_without_keys(tmp_path):
+    from grouped_ep import LoadError, load_sharded
+
+    model = make_model("qwen3_moe")
+    state = {k: v for k, v in model.state_dict().items() if "lm_head" not in k}
+    model.save_pretrained(tmp_path, state_dict=state)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    with pytest.raises(LoadError, match=r"no checkpoint key for 1 tensor\(s\).*lm_head.weight"):
+        load_sharded(meta, tmp_path)
+    assert all(p.is_meta for p in meta.parameters())  # nothing was loaded
+    report = load_sharded(meta, tmp_path, strict=False)
+    assert report.missing == ["lm_head.weight"] and meta.lm_head.weight.is_meta
+
+
+def test_buffers_that_cannot_be_recomputed_are_named(tmp_path):
+    from grouped_ep import LoadError, load_sharded
+
+    class Scaled(torch.nn.Module):  # keeps no constructor arguments: cannot be rebuilt
+        def __init__(self, n: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(n))
+            self.register_buffer("scale", torch.arange(n, dtype=torch.float32), persistent=False)
+
+    from safetensors.torch import save_file
+
+    save_file({"inner.w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = torch.nn.Sequential()
+        model.add_module("inner", Scaled(3))
+    with pytest.raises(LoadError, match=r"inner\.scale \(Scaled: TypeError: .*\['n'\]"):
+        load_sharded(model, tmp_path, device="cpu")
+    assert model.inner.w.is_meta  # a failed load changes nothing

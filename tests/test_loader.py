@@ -387,6 +387,7 @@ def test_read_error_midway_leaves_model_untouched(tmp_path, monkeypatch):
     )
     with torch.device("meta"):
         model = _fused_model()
+    del model.m.scratch  # a meta buffer no checkpoint holds: its own error (tested elsewhere)
     with pytest.raises(LoadError, match="s2.safetensors"):
         load_sharded(model, tmp_path)
     assert all(t.is_meta for t in model.state_dict().values())

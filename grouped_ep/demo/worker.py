@@ -62,8 +62,8 @@ def worker(args) -> int:
 
     if args.phase == "train":
         apply_expert_parallel(model, mesh["ep"])  # experts: Shard(0) DTensors, still on meta
-        report = load_sharded(model, args.checkpoint, device=device)  # only this rank's bytes
-        init_nonpersistent_buffers(model, device)
+        # Only this rank's bytes; rotary buffers (in no checkpoint) recomputed on `device`.
+        report = load_sharded(model, args.checkpoint, device=device)
         ge_hf.parallelize(model, mesh)
         reports = [None] * world
         dist.all_gather_object(reports, {"rank": rank, **vars(report)})

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.integrations.moe import ExpertsInterface
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
+from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
 from grouped_ep.parallel import experts_modules, fully_shard_moe
 
@@ -136,26 +137,12 @@ def parallelize(
     )
 
 
-def init_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute non-persistent buffers (rotary `inv_freq`, ...) of a transformers model.
+def init_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Recompute every non-persistent buffer (rotary `inv_freq`, ...) of a model on `device`.
 
-    No checkpoint holds them: after a meta-device build they are meta, and after `to_empty`
-    they hold garbage. Call after `load_sharded` (or `to_empty`). Each module that has such
-    buffers is rebuilt from its `config` on `device` and its buffers are taken; a module
-    without a `config` is an error naming it."""
-    for module in model.modules():
-        names = [
-            n
-            for n, _ in module.named_buffers(recurse=False)
-            if n in module._non_persistent_buffers_set
-        ]
-        if not names:
-            continue
-        if not hasattr(module, "config"):
-            raise ValueError(
-                f"init_nonpersistent_buffers: cannot recompute buffers {names} of {type(module).__name__}"
-            )
-        with torch.device(device):
-            fresh = type(module)(module.config)
-        for name in names:
-            setattr(module, name, getattr(fresh, name))
+    No checkpoint holds them. `load_sharded` recomputes the ones left on meta by itself; call
+    this after `model.to_empty(...)` (which leaves them holding garbage) or when building the
+    model another way. Each owning module is rebuilt alone from its own `config`; a buffer that
+    cannot be recomputed is a `grouped_ep.LoadError` naming it."""
+    for module, name, value in fresh_buffers(model, device, only_meta=False):
+        module._buffers[name] = value

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import KeyMap, resolve_pieces
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
@@ -94,6 +95,19 @@ def _swap(target: Target) -> None:
         (module._parameters if target.is_param else module._buffers)[attr] = new
 
 
+def default_device(model: nn.Module) -> torch.device:
+    """Where meta tensors go by default: the device type of the model's DTensor meshes, else
+    the current accelerator, else CPU."""
+    for t in model.parameters():
+        if isinstance(t, DTensor):
+            if t.device_mesh.device_type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device(t.device_mesh.device_type)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def load_sharded(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -102,6 +116,7 @@ def load_sharded(
     key_map: str | KeyMap | Mapping[str, object] | None = "auto",
     threads: int | None = None,
     progress: bool | None = None,
+    strict: bool = True,
 ) -> LoadReport:
     """Load this rank's shard of every parameter and persistent buffer from safetensors files.
 
@@ -114,7 +129,9 @@ def load_sharded(
             requires_grad; materialized tensors are overwritten in place.
         checkpoint: a directory with `model.safetensors.index.json`, a directory with one
             `.safetensors` file, or a `.safetensors` file.
-        device: where meta tensors are materialized (default CPU). Ignored for others.
+        device: where meta tensors are materialized. Default: the device type of the model's
+            DTensor meshes (a `cuda` mesh: the current CUDA device), else the current CUDA
+            device when there is one, else CPU. Ignored for tensors that are not on meta.
         key_map: "auto" maps the model's fused experts (`...experts.gate_up_proj [E, 2I, H]`,
             `...experts.down_proj [E, H, I]`) to per-expert keys (`experts.{i}.gate_proj.weight`
             `[I, H]`, Mixtral's `block_sparse_moe.experts.{i}.w1/w3/w2.weight`) or 3-D keys,
@@ -123,6 +140,12 @@ def load_sharded(
             concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule.
         threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
         progress: a progress bar on stderr: None shows it on a TTY only.
+        strict: a parameter or persistent buffer of a meta model with no checkpoint key is an
+            error naming the keys (else it stays on meta and is listed in `report.missing`).
+
+    After the load, non-persistent buffers still on meta (rotary `inv_freq`, whose values no
+    checkpoint holds) are recomputed on `device` from their modules' own initialization, so the
+    model runs as soon as this returns; where that is impossible, `LoadError` names each one.
 
     Returns:
         A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
@@ -135,6 +158,8 @@ def load_sharded(
         threads = max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
     if threads < 1:
         raise ValueError(f"load_sharded: threads must be >= 1, got {threads}")
+    if device is None:
+        device = default_device(model)
     ckpt = open_checkpoint(checkpoint)
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
@@ -149,6 +174,15 @@ def load_sharded(
         used.update(p.entry.key for p in target.pieces)
         plan_target(target, file_ids, device)
         todo.append(target)
+    left_on_meta = [t.name for t in targets if not t.pieces and t.tensor.is_meta]
+    if strict and left_on_meta:
+        shown = ", ".join(left_on_meta[:20]) + (" ..." if len(left_on_meta) > 20 else "")
+        raise LoadError(
+            f"{ckpt.root}: no checkpoint key for {len(left_on_meta)} tensor(s) of the meta model, "
+            f"which would stay on meta: {shown}. Pass key_map= to name their keys, or "
+            "strict=False to load the rest and keep them on meta."
+        )
+    buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
 
     direct = [t for t in todo if t.device.type == "cpu" and t.read_dtype == t.tensor.dtype]
     staged = [t for t in todo if not (t.device.type == "cpu" and t.read_dtype == t.tensor.dtype)]
@@ -165,6 +199,8 @@ def load_sharded(
     for target in todo:
         _swap(target)
         target.fresh = None
+    for module, name, value in buffers:
+        module._buffers[name] = value
     files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
     seconds = time.perf_counter() - t0
     return LoadReport(
