@@ -6,10 +6,20 @@ inspect.py  `describe`: read and check a checkpoint without loading it (CLI: `in
 export.py   `export_hf`: the Hugging Face safetensors layout with per-expert keys
 """
 
+from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.dcp import load, save
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export import export_hf
 from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
 from grouped_ep.checkpoint.layout import resolve
 
-__all__ = ["CheckpointError", "CheckpointInfo", "describe", "export_hf", "load", "resolve", "save"]
+__all__ = [
+    "AsyncSave",
+    "CheckpointError",
+    "CheckpointInfo",
+    "describe",
+    "export_hf",
+    "load",
+    "resolve",
+    "save",
+]

@@ -14,6 +14,12 @@ Layout of a checkpoint root (`save(root, ...)`):
 A save writes everything into `.tmp-step-N`, waits for every rank, then rank 0 renames it to
 `step-N` (one atomic rename) and replaces `latest` atomically (write a temporary file, then
 `os.replace`). A save that dies midway leaves the previous checkpoint and `latest` untouched.
+With `async_save=True` the same happens in the background (`async_save.py`); with `keep_last=N`
+rank 0 then removes the older complete steps beyond the newest N.
+
+`load` checks the checkpoint against the model and optimizer first (every key present, the same
+global shapes, every data file there and long enough), then lets DCP read straight into the
+live tensors, as plain DCP does: no second copy of the state.
 
 Model and optimizer state go through torch.distributed.checkpoint (DCP) with the state dicts of
 `get_state_dict`, so a checkpoint saved under one layout (world size, EP degree, FSDP degree,
@@ -23,18 +29,14 @@ rank, the overlap of the saved chunks with that rank's shard.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import time
-import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -49,80 +51,32 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from grouped_ep.checkpoint import async_save as background
+from grouped_ep.checkpoint.async_save import AsyncSave
+from grouped_ep.checkpoint.collective import (
+    all_ok,
+    async_group,
+    dcp_quiet,
+    distributed,
+    on_rank0,
+    rank,
+    world,
+)
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
 from grouped_ep.checkpoint.layout import (
-    LATEST_FILE,
     MANIFEST_FILE,
     TMP_PREFIX,
-    fsync_dir,
+    commit_step,
     next_step,
+    prune,
     resolve,
     step_dir_name,
-    write_text_atomic,
 )
 
-__all__ = ["save", "load"]
+__all__ = ["AsyncSave", "save", "load"]
 
 FORMAT_VERSION = 1
-
-_T = TypeVar("_T")
-
-
-# ---- process group helpers (all of them work without init_process_group) -----------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _dcp_quiet() -> Iterator[None]:
-    """DCP warns on every single-process save/load that it assumes one process: we mean it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
-        yield
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _on_rank0(fn: Callable[[], _T]) -> _T:
-    """Run `fn` on rank 0 and give every rank its result, or raise its error on every rank."""
-    if not _distributed():
-        return fn()
-    msg: list[Any] = [None, None]  # [result, error text]
-    error: Exception | None = None
-    if _rank() == 0:
-        try:
-            msg[0] = fn()
-        except Exception as e:  # sent to the other ranks so that nobody waits forever
-            error, msg[1] = e, f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(msg, src=0)
-    if error is not None:
-        raise error
-    if msg[1] is not None:
-        raise CheckpointError(f"rank 0 failed: {msg[1]}")
-    return msg[0]
-
-
-def _all_ok(error: Exception | None, what: str) -> None:
-    """Raise on every rank if `error` is set on any rank."""
-    texts: list[str | None] = [None if error is None else f"{type(error).__name__}: {error}"]
-    if _distributed():
-        gathered: list[str | None] = [None] * _world()
-        dist.all_gather_object(gathered, texts[0])
-        texts = gathered
-    if error is not None:
-        raise CheckpointError(f"{what} failed on rank {_rank()}: {error}") from error
-    failed = {r: t for r, t in enumerate(texts) if t is not None}
-    if failed:
-        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
 
 
 # ---- state dicts --------------------------------------------------------------------------------
@@ -150,17 +104,6 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
         return {"model": get_model_state_dict(model, options=opts)}
     msd, osd = get_state_dict(model, optimizer, options=opts)
     return {"model": msd, "optim": osd}
-
-
-def _empty_copy(obj: Any) -> Any:
-    """The same nested structure with every tensor (DTensor included) replaced by empty_like."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _empty_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_empty_copy(v) for v in obj]
-    return obj
 
 
 def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
@@ -203,11 +146,14 @@ def save(
     extra: dict[str, Any] | None = None,
     *,
     step: int | None = None,
-) -> Path:
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> Path | AsyncSave:
     """Save `model` (and `optimizer`) sharded as they are, atomically, as `root/step-<step>`.
 
     Call on every rank (collective). Each rank writes only the bytes of its own shards;
     replicated tensors are written once. Works in a single process without a process group.
+    A save in flight (`async_save=True`) is waited for first; its failure is raised here.
 
     Args:
         root: checkpoint root directory (created if needed).
@@ -217,15 +163,24 @@ def save(
             with torch.save per rank and returned by `load`.
         step: the step number in the directory name. Default: `extra["step"]` when that is an
             int, else one more than the highest step already in `root`.
+        async_save: copy the state to CPU memory, return, and write it in the background
+            (`torch.distributed.checkpoint.async_save`, on a gloo group of its own). Training may
+            change the parameters right away. `latest` moves only after every rank finished.
+        keep_last: after the commit, remove all but the newest `keep_last` complete steps
+            (never the one `latest` names). None keeps every step.
 
     Returns:
-        The checkpoint directory, `root/step-<step:08d>`. `root/latest` names it afterwards.
+        The checkpoint directory, `root/step-<step:08d>` (`root/latest` names it afterwards);
+        with `async_save=True` an `AsyncSave` handle whose `result()` waits and returns it.
     """
+    background.wait_pending("save")
     root = Path(root)
     if step is None and extra is not None and isinstance(extra.get("step"), int):
         step = extra["step"]
     if step is not None and (not isinstance(step, int) or step < 0):
         raise CheckpointError(f"save: step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
 
     def prepare() -> tuple[int, str]:
         if root.exists() and not root.is_dir():
@@ -238,54 +193,68 @@ def save(
         tmp.mkdir()
         return s, tmp.name
 
-    step_, tmp_name = _on_rank0(prepare)
+    step_, tmp_name = on_rank0(prepare)
     tmp = root / tmp_name
     final = root / step_dir_name(step_)
-
-    state = _state(model, optimizer)
-    try:
-        with _dcp_quiet():
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(str(tmp), overwrite=True),
-                planner=_CompactSavePlanner(),
-                no_dist=not _distributed(),
-            )
-    except CheckpointException as e:  # raised on every rank when any rank failed
-        raise CheckpointError(f"save to {tmp} failed: {e}") from e
 
     error = None
     if extra is not None:
         try:
-            torch.save(extra, tmp / f"extra-rank{_rank():05d}.pt")
+            torch.save(extra, tmp / f"extra-rank{rank():05d}.pt")
         except Exception as e:
             error = e
-    _all_ok(error, f"save: writing extra into {tmp}")
+    all_ok(error, f"save: writing extra into {tmp}")
 
-    def commit() -> None:
-        manifest = {
-            "format": FORMAT_VERSION,
-            "step": step_,
-            "world_size": _world(),
-            "has_optimizer": optimizer is not None,
-            "has_extra": extra is not None,
-            "saved_at": time.time(),
-            "torch": torch.__version__,
-        }
-        write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-        fsync_dir(tmp)
-        old = None
-        if final.exists():  # saving the same step again: swap the old one out, then delete it
-            old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        write_text_atomic(root / LATEST_FILE, final.name + "\n")
-        fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step_,
+        "world_size": world(),
+        "has_optimizer": optimizer is not None,
+        "has_extra": extra is not None,
+        "torch": torch.__version__,
+    }
 
-    _on_rank0(commit)
-    return final
+    def commit() -> Path:
+        if rank() == 0:
+            commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+            if keep_last is not None:
+                prune(root, keep_last)
+        return final
+
+    state = _state(model, optimizer)
+    writer = dcp.FileSystemWriter(str(tmp), overwrite=True)
+    try:
+        with dcp_quiet():
+            if async_save:
+                # Blocks only while the state is copied to CPU memory; writes in a thread.
+                upload = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=_CompactSavePlanner(),
+                    process_group=async_group(),
+                    no_dist=not distributed(),
+                )
+            else:
+                dcp.save(
+                    state,
+                    storage_writer=writer,
+                    planner=_CompactSavePlanner(),
+                    no_dist=not distributed(),
+                )
+    except CheckpointException as e:  # raised on every rank when any rank failed
+        raise CheckpointError(f"save to {tmp} failed: {e}") from e
+    if not async_save:
+        on_rank0(commit)
+        return final
+
+    def finish() -> Path:
+        try:
+            upload.result()
+        except CheckpointException as e:
+            raise CheckpointError(f"async save to {tmp} failed: {e}") from e
+        return commit()
+
+    return background.start(final, finish)
 
 
 def load(
@@ -293,12 +262,13 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any] | None:
-    """Load a checkpoint into `model` (and `optimizer`) as they are sharded now.
+    """Load a checkpoint into `model` (and `optimizer`) as they are sharded now, in place.
 
     Call on every rank (collective). The checkpoint may have been saved under any other layout
     (world size, EP or FSDP degree, placements, rank assignment); each rank reads the parts of
-    the saved chunks that overlap its own shards. Works in a single process without a process
-    group (parameters then are plain tensors).
+    the saved chunks that overlap its own shards, straight into its parameters and optimizer
+    state (no second copy). Works in a single process without a process group (parameters
+    then are plain tensors). A save in flight (`async_save=True`) is waited for first.
 
     Args:
         path: a checkpoint directory, or a root whose `latest` file names one.
@@ -311,10 +281,10 @@ def load(
     Raises:
         CheckpointError: the checkpoint is missing, incomplete (no `.metadata`, a missing or
             truncated data file) or does not fit the model (a key missing or of another shape).
-            The check runs before any parameter is written; the state is read into new buffers
-            and copied into the model only once all of it was read.
+            These checks run before anything is read, and leave the model untouched. An I/O
+            error during the read itself may leave the model partly loaded; its message says so.
     """
-
+    background.wait_pending("load")
     current = _state(model, optimizer)  # also creates optimizer state if there is none yet
 
     def check() -> tuple[str, dict[str, Any]]:
@@ -328,28 +298,30 @@ def load(
         _check_fits(info, current)  # global shapes: the same on every rank
         return str(ckpt), manifest
 
-    ckpt_s, manifest = _on_rank0(check)
+    ckpt_s, manifest = on_rank0(check)
     ckpt = Path(ckpt_s)
-    # Read into new buffers so that a failure midway leaves the model as it was.
-    state = _empty_copy(current)
+    own = ckpt / f"extra-rank{rank():05d}.pt"
+    extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
+    if not extra_file.is_file() and manifest.get("has_extra"):
+        raise CheckpointError(f"load: {extra_file} is missing (the checkpoint had extra state)")
     try:
-        with _dcp_quiet():
+        with dcp_quiet():
             reader = dcp.FileSystemReader(str(ckpt))
-            dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+            dcp.load(current, storage_reader=reader, no_dist=not distributed())
     except CheckpointException as e:
-        raise CheckpointError(f"load from {ckpt} failed: {e}") from e
+        raise CheckpointError(
+            f"load from {ckpt} failed while reading, after the checkpoint was checked; the model "
+            f"and optimizer may be partly loaded: {e}"
+        ) from e
+    # The tensors were filled in place; this applies the rest (optimizer param groups) and
+    # whatever a state-dict conversion did not alias, exactly as plain DCP use does.
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, current["model"])
     else:
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model, optimizer, model_state_dict=current["model"], optim_state_dict=current["optim"]
         )
-
-    own = ckpt / f"extra-rank{_rank():05d}.pt"
-    extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
     if not extra_file.is_file():
-        if manifest.get("has_extra"):
-            raise CheckpointError(f"load: {extra_file} is missing (the checkpoint had extra state)")
         return None
     try:
         # The checkpoint is trusted as much as DCP's own pickled .metadata is.

@@ -8,8 +8,11 @@ root/
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import METADATA_FILE
@@ -68,10 +71,61 @@ def resolve(path: str | os.PathLike) -> Path:
     )
 
 
+def complete_steps(root: Path) -> dict[int, Path]:
+    """step -> directory for every complete checkpoint (`step-N`, renamed in place) in `root`."""
+    out = {}
+    for p in root.glob(f"{STEP_PREFIX}*"):
+        digits = p.name[len(STEP_PREFIX) :]
+        if digits.isdigit() and p.is_dir():
+            out[int(digits)] = p
+    return out
+
+
 def next_step(root: Path) -> int:
-    steps = [
-        int(p.name[len(STEP_PREFIX) :])
-        for p in root.glob(f"{STEP_PREFIX}*")
-        if p.name[len(STEP_PREFIX) :].isdigit()
-    ]
+    steps = complete_steps(root)
     return max(steps) + 1 if steps else 0
+
+
+def commit_step(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Make the finished save in `tmp` the checkpoint `final` and point `latest` at it.
+
+    Run once (rank 0), after every rank has written its files. The manifest goes in first; one
+    rename makes the directory complete; `latest` is replaced atomically.
+    """
+    write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    fsync_dir(tmp)
+    old = None
+    if final.exists():  # saving the same step again: swap the old one out, then delete it
+        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    write_text_atomic(root / LATEST_FILE, final.name + "\n")
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove all but the `keep_last` newest complete steps; never the one `latest` names.
+
+    Each removed directory is first renamed to a `.tmp-` name (one atomic step), so a crash
+    while deleting never leaves a half-deleted `step-N` that looks complete. Returns the
+    directories removed.
+    """
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
+    steps = complete_steps(root)
+    latest = root / LATEST_FILE
+    current = latest.read_text().strip() if latest.is_file() else None
+    removed = []
+    for s in sorted(steps)[:-keep_last]:
+        path = steps[s]
+        if path.name == current:
+            continue
+        doomed = root / f"{TMP_PREFIX}removed-{path.name}-{os.getpid()}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed

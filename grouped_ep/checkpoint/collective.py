@@ -1,0 +1,90 @@
+"""Process-group helpers of `save` / `load`; every one of them works without init_process_group."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from grouped_ep.checkpoint.errors import CheckpointError
+
+_T = TypeVar("_T")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+@contextlib.contextmanager
+def dcp_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
+
+
+def on_rank0(fn: Callable[[], _T]) -> _T:
+    """Run `fn` on rank 0 and give every rank its result, or raise its error on every rank."""
+    if not distributed():
+        return fn()
+    msg: list[Any] = [None, None]  # [result, error text]
+    error: Exception | None = None
+    if rank() == 0:
+        try:
+            msg[0] = fn()
+        except Exception as e:  # sent to the other ranks so that nobody waits forever
+            error, msg[1] = e, f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(msg, src=0)
+    if error is not None:
+        raise error
+    if msg[1] is not None:
+        raise CheckpointError(f"rank 0 failed: {msg[1]}")
+    return msg[0]
+
+
+def gather_errors(error: BaseException | None) -> dict[int, str]:
+    """rank -> error text for every rank whose `error` is set (a collective when distributed)."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    if not distributed():
+        return {} if text is None else {0: text}
+    gathered: list[str | None] = [None] * world()
+    dist.all_gather_object(gathered, text)
+    return {r: t for r, t in enumerate(gathered) if t is not None}
+
+
+def all_ok(error: Exception | None, what: str) -> None:
+    """Raise on every rank if `error` is set on any rank."""
+    failed = gather_errors(error)
+    if error is not None:
+        raise CheckpointError(f"{what} failed on rank {rank()}: {error}") from error
+    if failed:
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
+
+
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def async_group() -> Any:
+    """A gloo group of all ranks for background saves, made once per default group (collective).
+
+    A background save runs collectives from its own thread; on the default group they could
+    interleave with the training step's collectives (FSDP all-gathers on gloo), which mismatches
+    them across ranks. Its own group keeps the two streams apart.
+    """
+    if not distributed():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
