@@ -1,0 +1,221 @@
+"""Async saves and `keep_last`: the training step goes on while DCP writes; `latest` moves only
+after every rank finished; a failure surfaces on `result()` or on the next call; a rank killed
+during a background save leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import RankError, run_ranks
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+
+from grouped_ep import checkpoint as ck
+
+
+class Small(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.experts = nn.Parameter(torch.randn(4, 6, 5, generator=g))
+        self.dense = nn.Parameter(torch.randn(3, 5, generator=g))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    (model.experts.sum(0) @ model.dense.T).square().sum().backward()
+    opt.step()
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, state in enumerate(opt.state.values()):
+        out |= {f"o{i}.{k}": v.clone() for k, v in state.items()}
+    return out
+
+
+def test_async_save_copies_the_state_then_training_goes_on(tmp_path: Path) -> None:
+    model = Small()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    saved = _snapshot(model, opt)
+    handle = ck.save(tmp_path, model, opt, extra={"step": 1}, async_save=True)
+    assert isinstance(handle, ck.AsyncSave) and handle.path == tmp_path / "step-00000001"
+    for _ in range(3):  # the step changes every tensor in place while the save may still run
+        _step(model, opt)
+    assert not torch.equal(model.experts, saved["p.experts"])
+    assert handle.result() == tmp_path / "step-00000001"
+    assert handle.done()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+
+    fresh = Small(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert ck.load(tmp_path, fresh, fresh_opt) == {"step": 1}
+    got = _snapshot(fresh, fresh_opt)
+    assert got.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(got[k], saved[k]), k
+
+
+def test_a_load_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+    model = Small()
+    ck.save(tmp_path, model, step=1)
+    with torch.no_grad():
+        model.experts.mul_(-1)
+    ck.save(tmp_path, model, step=2, async_save=True)  # no result(): load must wait for it
+    fresh = Small(seed=1)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.experts, model.experts)
+    assert ck.resolve(tmp_path).name == "step-00000002"
+
+
+def test_keep_last_removes_older_steps_never_latest(tmp_path: Path) -> None:
+    model = Small()
+    for step in (1, 2, 3):
+        ck.save(tmp_path, model, step=step, keep_last=2)
+    ck.save(tmp_path, model, step=4, keep_last=2, async_save=True).result()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000003", "step-00000004"], names
+    # Saving an older step number makes it the latest: keep_last=1 keeps it all the same.
+    ck.save(tmp_path, model, step=2, keep_last=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000002", "step-00000004"], names
+    assert ck.resolve(tmp_path).name == "step-00000002"
+    with pytest.raises(ck.CheckpointError, match="keep_last"):
+        ck.save(tmp_path, model, keep_last=0)
+
+
+def _failing_write(self, plan, planner):
+    raise OSError("disk full (injected)")
+
+
+def test_failure_surfaces_on_result_and_latest_stays(tmp_path: Path, monkeypatch) -> None:
+    model = Small()
+    ck.save(tmp_path, model, step=1)
+    monkeypatch.setattr(FileSystemWriter, "write_data", _failing_write)
+    handle = ck.save(tmp_path, model, step=2, async_save=True)
+    with pytest.raises(ck.CheckpointError, match="disk full"):
+        handle.result()
+    assert ck.resolve(tmp_path).name == "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+    monkeypatch.undo()
+    ck.save(tmp_path, model, step=3)  # already reported by result(): not raised again
+    assert ck.resolve(tmp_path).name == "step-00000003"
+
+
+def test_failure_without_result_surfaces_on_the_next_call(tmp_path: Path, monkeypatch) -> None:
+    model = Small()
+    ck.save(tmp_path, model, step=1)
+    monkeypatch.setattr(FileSystemWriter, "write_data", _failing_write)
+    handle = ck.save(tmp_path, model, step=2, async_save=True)
+    while not handle.done():  # done() waits without reporting the failure
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(ck.CheckpointError, match="previous async save .*step-00000002.*disk full"):
+        ck.load(tmp_path, Small(seed=1))
+    fresh = Small(seed=1)
+    ck.load(tmp_path, fresh)  # the failure was raised once; step 1 is still the latest
+    assert torch.equal(fresh.experts, model.experts)
+
+
+# ---- two ranks ------------------------------------------------------------------------------
+
+
+def _fsdp_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(13, 9), nn.ReLU(), nn.Linear(9, 5))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    fully_shard(mlp, mesh=mesh)
+    return mlp
+
+
+def _train(mlp: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):  # FSDP all-gathers and reduce-scatters on the default group
+        opt.zero_grad()
+        mlp(torch.randn(4, 13)).square().sum().backward()
+        opt.step()
+
+
+def _full(mlp: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.full_tensor() for k, v in mlp.state_dict().items()}
+    for i, state in enumerate(opt.state.values()):
+        for k, v in state.items():
+            out[f"o{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+    return out
+
+
+def _async_while_training(rank: int, world: int, root: str) -> dict:
+    mlp = _fsdp_model()
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    _train(mlp, opt, 2)
+    saved = _full(mlp, opt)
+    handle = ck.save(root, mlp, opt, extra={"step": 2}, async_save=True, keep_last=1)
+    _train(mlp, opt, 3)  # collectives on the main thread while the save runs
+    handle.result()
+    changed = not torch.equal(_full(mlp, opt)["p.0.weight"], saved["p.0.weight"])
+    fresh = _fsdp_model()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    _train(fresh, fresh_opt, 1)
+    extra = ck.load(root, fresh, fresh_opt)  # waits for rank 0's commit via the handle
+    got = _full(fresh, fresh_opt)
+    return {
+        "extra": extra,
+        "changed": changed,
+        "equal": {k: torch.equal(got[k], v) for k, v in saved.items()},
+    }
+
+
+def test_two_ranks_async_save_while_training_resumes_exactly(tmp_path: Path) -> None:
+    results = run_ranks(_async_while_training, 2, str(tmp_path), timeout=120)
+    for r in results:
+        assert r["extra"] == {"step": 2}
+        assert r["changed"]
+        assert len(r["equal"]) == 4 + 4 * 3 and all(r["equal"].values()), r["equal"]
+    assert ck.resolve(tmp_path).name == "step-00000002"
+
+
+def _killed_mid_async_save(rank: int, world: int, root: str) -> None:
+    mlp = _fsdp_model()
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    _train(mlp, opt, 1)
+    ck.save(root, mlp, opt, extra={"step": 1}, async_save=True).result()
+    _train(mlp, opt, 1)
+    if rank == 1:
+
+        def die(self, plan, planner):  # runs in the background thread of the save
+            with open(os.path.join(self.path, "__1_0.distcp"), "wb") as f:
+                f.write(b"half a shard")
+            os._exit(17)
+
+        FileSystemWriter.write_data = die
+    handle = ck.save(root, mlp, opt, extra={"step": 2}, async_save=True)
+    _train(mlp, opt, 1)
+    handle.result()
+
+
+def _load_after_kill(rank: int, world: int, root: str) -> dict:
+    mlp = _fsdp_model()
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    _train(mlp, opt, 1)
+    expected = _full(mlp, opt)  # the same seeds and one step: what step 1 saved
+    fresh = _fsdp_model()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    extra = ck.load(root, fresh, fresh_opt)
+    got = _full(fresh, fresh_opt)
+    return {"extra": extra, "equal": all(torch.equal(got[k], v) for k, v in expected.items())}
+
+
+def test_rank_killed_mid_async_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(RankError):
+        run_ranks(_killed_mid_async_save, 2, str(tmp_path), timeout=60)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+    for r in run_ranks(_load_after_kill, 2, str(tmp_path), timeout=60):
+        assert r == {"extra": {"step": 1}, "equal": True}
