@@ -173,7 +173,7 @@ def _async_while_training(rank: int, world: int, root: str) -> dict:
 
 
 def test_two_ranks_async_save_while_training_resumes_exactly(tmp_path: Path) -> None:
-    results = run_ranks(_async_while_training, 2, str(tmp_path), timeout=120)
+    results = run_ranks(_async_while_training, 2, str(tmp_path), timeout=180)
     for r in results:
         assert r["extra"] == {"step": 2}
         assert r["changed"]
@@ -214,8 +214,9 @@ def _load_after_kill(rank: int, world: int, root: str) -> dict:
 
 def test_rank_killed_mid_async_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(RankError):
-        run_ranks(_killed_mid_async_save, 2, str(tmp_path), timeout=60)
+        run_ranks(_killed_mid_async_save, 2, str(tmp_path), timeout=180)
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
     assert not (tmp_path / "step-00000002").exists()
-    for r in run_ranks(_load_after_kill, 2, str(tmp_path), timeout=60):
+    assert (tmp_path / ".tmp-step-00000002").is_dir()  # the dead save's leftovers, never read
+    for r in run_ranks(_load_after_kill, 2, str(tmp_path), timeout=180):
         assert r == {"extra": {"step": 1}, "equal": True}

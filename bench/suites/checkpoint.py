@@ -1,23 +1,36 @@
-"""Checkpoints: grouped_ep.checkpoint save/load (atomic commit, compact views, load into new
-buffers) vs plain dcp.save/dcp.load of the same state dict, in one process. GB/s counts the
-unique bytes of model + optimizer state; disk_over_unique = bytes on disk / unique bytes."""
+"""Checkpoints: grouped_ep.checkpoint save/load vs plain DCP on the same model, in one process.
+
+Plain DCP, as a training script uses it: save = `get_state_dict` -> `dcp.save`; load =
+`get_state_dict` -> `dcp.load` -> `set_state_dict`. Times are medians with the two sides
+alternating rep by rep (the machine is shared). GB/s counts the unique bytes of model +
+optimizer state; disk_over_unique = bytes on disk / unique bytes. Peak RSS growth of a load is
+measured in a fresh process per side (peak reset through /proc/self/clear_refs just before the
+load). blocked_*: how long `save` keeps the training loop waiting, sync vs `async_save=True`
+(the async save's total time until `result()` is async_total_s)."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from grouped_ep import checkpoint as ck
-from suites._timing import median_seconds
 
-TITLE = "checkpoint save/load (GB/s of unique bytes; *_x = grouped_ep / plain DCP; disk_over_unique = disk / unique)"
+TITLE = "checkpoint save/load vs plain DCP (*_x = grouped_ep speed / plain DCP speed; peak RSS growth of a load in MB; blocked_* = seconds a save holds the training loop)"
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,17 @@ def _model(case: Case, device: str) -> nn.Module:
     return model
 
 
+def _model_and_opt(case: Case, device: str) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    torch.manual_seed(0)
+    model = _model(case, device)
+    opt = None
+    if case.optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        sum(p.float().sum() for p in model.parameters()).backward()
+        opt.step()
+    return model, opt
+
+
 def _unique_bytes(model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     if opt is not None:
@@ -69,30 +93,103 @@ def _disk(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*.distcp"))
 
 
+def plain_load(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+    """The plain DCP resume: get_state_dict -> dcp.load -> set_state_dict."""
+    state = ck.dcp._state(model, opt)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    if opt is None:
+        model.load_state_dict(state["model"])
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _alternating(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each fn, run in turn rep by rep after one warm-up each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_of_load(case_name: str, side: str, path: str) -> float:
+    """Peak RSS growth (MB) of one load in this (fresh) process: model built, peak reset, load."""
+    case = next(c for c in CASES if c.name == case_name)
+    model, opt = _model_and_opt(case, "cpu")
+    base = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if side == "ours":
+            ck.load(path, model, opt)
+        else:
+            plain_load(Path(path), model, opt)
+    return (_status_kb("VmHWM") - base) / 1024
+
+
+def _rss_in_subprocess(case: Case, side: str, path: Path) -> float:
+    code = (
+        "import json, sys; from suites.checkpoint import rss_of_load; "
+        "print(json.dumps(rss_of_load(*sys.argv[1:])))"
+    )
+    bench_dir = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([bench_dir, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code, case.name, side, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
-    model = _model(case, device)
-    opt = None
-    if case.optimizer:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        sum(p.float().sum() for p in model.parameters()).backward()
-        opt.step()
+    model, opt = _model_and_opt(case, device)
     unique = _unique_bytes(model, opt)
     ours, plain = work / "ours", work / "plain"
-    state = ck.dcp._state(model, opt)  # the very state dict grouped_ep saves
 
     def save_plain() -> None:
         shutil.rmtree(plain, ignore_errors=True)
+        state = ck.dcp._state(model, opt)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(plain)), no_dist=True)
 
-    def load_plain() -> None:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(plain)), no_dist=True)
+    def save_ours() -> None:
+        ck.save(ours, model, opt, step=0)
+
+    def save_async_blocked() -> None:
+        handle = ck.save(work / "async", model, opt, step=0, async_save=True)
+        blocked.append(time.perf_counter() - t_call[0])
+        handle.result()
+
+    blocked: list[float] = []
+    t_call = [0.0]
+
+    def save_async() -> None:
+        t_call[0] = time.perf_counter()
+        save_async_blocked()
 
     with warnings.catch_warnings():  # DCP warns that it runs in one process: it does
         warnings.simplefilter("ignore", UserWarning)
-        t_save = median_seconds(lambda: ck.save(ours, model, opt, step=0), device, reps, 1)
-        t_save_dcp = median_seconds(save_plain, device, reps, 1)
-        t_load = median_seconds(lambda: ck.load(ours, model, opt), device, reps, 1)
-        t_load_dcp = median_seconds(load_plain, device, reps, 1)
+        t_save, t_save_dcp, t_async = _alternating([save_ours, save_plain, save_async], reps)
+        t_load, t_load_dcp = _alternating(
+            [lambda: ck.load(ours, model, opt), lambda: plain_load(plain, model, opt)], reps
+        )
+    rss_ours = _rss_in_subprocess(case, "ours", ours)
+    rss_plain = _rss_in_subprocess(case, "plain", plain)
     gb = unique / 1e9
     return {
         "case": case.name,
@@ -103,6 +200,12 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
         "load_GBps": gb / t_load,
         "dcp_load_GBps": gb / t_load_dcp,
         "load_x": t_load_dcp / t_load,
+        "load_rss_MB": rss_ours,
+        "dcp_load_rss_MB": rss_plain,
+        "load_rss_over_dcp": rss_ours / max(rss_plain, 1e-9),
+        "blocked_sync_s": t_save,
+        "blocked_async_s": statistics.median(blocked[1:]),  # [0] was the warm-up
+        "async_total_s": t_async,
         "disk_over_unique": _disk(ours / "step-00000000") / unique,
         "dcp_disk_over_unique": _disk(plain) / unique,
     }
@@ -117,9 +220,10 @@ def run(device: str, quick: bool, log) -> list[dict]:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         log(
-            f"{case.name}: save {row['save_GBps']:.2f} GB/s (dcp {row['dcp_save_GBps']:.2f}), "
-            f"load {row['load_GBps']:.2f} GB/s (dcp {row['dcp_load_GBps']:.2f}), "
-            f"disk {row['disk_over_unique']:.3f}x (dcp {row['dcp_disk_over_unique']:.3f}x)"
+            f"{case.name}: save {row['save_x']:.2f}x dcp, load {row['load_x']:.2f}x dcp "
+            f"({row['load_GBps']:.2f} vs {row['dcp_load_GBps']:.2f} GB/s), load peak RSS "
+            f"+{row['load_rss_MB']:.0f} MB (dcp +{row['dcp_load_rss_MB']:.0f} MB), save blocks "
+            f"{row['blocked_sync_s']:.3f} s sync, {row['blocked_async_s']:.3f} s async"
         )
         rows.append(row)
     return rows
