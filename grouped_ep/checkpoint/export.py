@@ -13,6 +13,18 @@ A transformers model is exported with transformers' own reverse conversion
 (`revert_weight_conversion`, what `save_pretrained` uses), so every architecture gets the keys
 its loader expects (Mixtral: `block_sparse_moe.experts.{i}.w1/w3/w2.weight`). Writing
 Qwen-style names for a Mixtral would load with silently re-initialized experts.
+
+At scale no rank gathers the model. Every rank plans the whole export from global shapes alone
+(the same plan everywhere, one small all-gather of who holds which expert rows), then writes
+the keys it owns into its own safetensors files, one tensor staged at a time:
+- an expert weight whose local shard is a block of whole experts (`Shard(0)` over EP,
+  replicated elsewhere) is converted from the local shard; its per-expert keys go to the one
+  rank holding that block (the lowest, if several do);
+- any other DTensor (rows of a dense weight, experts split inside) is gathered one tensor at a
+  time (`full_tensor`) and written by the least-loaded rank; plain tensors likewise, without the
+  gather.
+Files are written under temporary names, renamed once every rank has finished, and the index
+comes last (rank 0), so a failed export never looks complete.
 """
 
 from __future__ import annotations
@@ -20,13 +32,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from grouped_ep.checkpoint.collective import all_ok, on_rank0
+from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.layout import write_text_atomic
+from grouped_ep.checkpoint.safetensors_writer import PlannedTensor, StreamingSafetensorsWriter
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -82,17 +100,125 @@ def hf_items(model: nn.Module, name: str, full: torch.Tensor) -> list[tuple[str,
     return split_expert_tensor(name, full) or [(name, full)]
 
 
-def _full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for each state-dict entry; DTensors gathered (a collective)."""
+@dataclass
+class _Entry:
+    """One state-dict tensor and how it is exported."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str = "whole"  # "local": each block holder converts its own experts; "whole": one owner
+    owner: int = 0  # the writer of a "whole" entry
+    block: tuple[int, int] | None = None  # this rank's (first expert, count) for "local" entries
+    position: int | None = None  # the dotted component of the keys that numbers the experts
+    writes: dict[int, list[PlannedTensor]] = field(default_factory=dict)  # rank -> its keys
+
+
+def _meta_items(model: nn.Module, name: str, shape, dtype) -> list[tuple[str, tuple[int, ...]]]:
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    return [(k, tuple(v.shape)) for k, v in hf_items(model, name, meta)]
+
+
+def _expert_position(keys: list[str]) -> int | None:
+    """The dotted component that numbers the experts: the one numeric position that varies."""
+    parts = [k.split(".") for k in keys]
+    if len({len(p) for p in parts}) != 1:
+        return None
+    varying = [
+        i
+        for i in range(len(parts[0]))
+        if all(p[i].isdigit() for p in parts) and len({p[i] for p in parts}) > 1
+    ]
+    return varying[0] if len(varying) == 1 else None
+
+
+def _renumber(key: str, position: int, first: int) -> str:
+    parts = key.split(".")
+    parts[position] = str(int(parts[position]) + first)
+    return ".".join(parts)
+
+
+def _local_block(t: torch.Tensor) -> tuple[int, int] | None:
+    """(first expert, count) when this rank's shard of DTensor `t` is whole rows of dim 0."""
+    if not isinstance(t, DTensor) or t.dim() < 1:
+        return None
+    if any(
+        type(p) not in (Shard, Replicate) or (type(p) is Shard and p.dim != 0) for p in t.placements
+    ):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(t.to_local().shape) != tuple(shape) or tuple(shape[1:]) != tuple(t.shape[1:]):
+        return None
+    return (int(offset[0]), int(shape[0]))
+
+
+def _plan_local(model: nn.Module, e: _Entry, blocks: list[tuple[int, int] | None]) -> bool:
+    """Fill `e.writes` from per-rank expert blocks; False if the conversion is not per expert."""
+    if any(b is None for b in blocks):
+        return False
+    global_items = _meta_items(model, e.name, e.tensor.shape, e.tensor.dtype)
+    position = _expert_position([k for k, _ in global_items])
+    wanted = dict(global_items)
+    seen: dict[tuple[int, int], int] = {}  # block -> the lowest rank holding it
+    for r, b in enumerate(blocks):
+        seen.setdefault(b, r)
+    e.position = position
+    covered: dict[str, tuple[int, ...]] = {}
+    for (first, count), r in seen.items():
+        if count == 0:
+            continue
+        if count != e.tensor.shape[0] and position is None:
+            return False
+        local = _meta_items(model, e.name, (count, *e.tensor.shape[1:]), e.tensor.dtype)
+        keys = [
+            (k if count == e.tensor.shape[0] else _renumber(k, position, first), s)
+            for k, s in local
+        ]
+        for k, s in keys:
+            if wanted.get(k) != s or k in covered:
+                return False
+            covered[k] = s
+        e.writes[r] = [PlannedTensor(k, e.tensor.dtype, s) for k, s in keys]
+    return covered == wanted
+
+
+def _plan(model: nn.Module, rank: int, world: int) -> list[_Entry]:
+    """Every entry's writers and keys: the same result on every rank (one all-gather)."""
+    entries: list[_Entry] = []
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:  # tied weights: written once, as transformers does
             continue
         seen.add(id(t))
-        t = t.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        yield name, t
+        entries.append(_Entry(name, t.detach()))
+    mine = [_local_block(e.tensor) for e in entries]
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    load = [0] * world
+    for i, e in enumerate(entries):
+        blocks = [everyone[r][i] for r in range(world)]
+        if _plan_local(model, e, blocks):
+            e.kind, e.block = "local", mine[i]
+        else:
+            e.kind, e.owner = "whole", min(range(world), key=lambda r: (load[r], r))
+            items = _meta_items(model, e.name, e.tensor.shape, e.tensor.dtype)
+            e.writes = {e.owner: [PlannedTensor(k, e.tensor.dtype, s) for k, s in items]}
+        for r, planned in e.writes.items():
+            load[r] += sum(p.nbytes for p in planned)
+    return entries
+
+
+def _pack(keys: list[PlannedTensor], limit: int) -> list[list[PlannedTensor]]:
+    files: list[list[PlannedTensor]] = []
+    size = 0
+    for p in keys:
+        if not files or (size and size + p.nbytes > limit):
+            files.append([])
+            size = 0
+        files[-1].append(p)
+        size += p.nbytes
+    return files
 
 
 def export_hf(
@@ -100,68 +226,107 @@ def export_hf(
 ) -> Path | None:
     """Write `model` as a Hugging Face checkpoint: safetensors shards, index, config.json.
 
-    Call on every rank (gathering DTensors is collective); rank 0 writes. Stacked expert weights
-    `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become per-expert 2D keys
+    Call on every rank (collective). Each rank writes the keys it owns into its own files: its
+    experts from its local shard, and its share of the tensors that must be whole (gathered one
+    at a time). No rank holds more than its shard plus one tensor being written. Stacked expert
+    weights `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become per-expert 2D keys
     (`...{i}.gate_proj.weight` [I, H], `up_proj`, `down_proj` [H, I]); other names stay.
 
     Args:
-        model: the model; parameters may be DTensors (gathered one at a time).
+        model: the model; parameters may be DTensors or plain tensors (the same on every rank).
         dir: output directory (created).
         max_shard_size: most bytes per safetensors file, e.g. "5GB" or an int.
 
     Returns:
         The index file path on rank 0, None on other ranks.
     """
-    from safetensors.torch import save_file
-
     limit = parse_size(max_shard_size)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
     out_dir = Path(dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-    shard: dict[str, torch.Tensor] = {}  # the file being filled
-    shard_bytes = 0
-    written: list[str] = []  # temporary names of the finished files
-    weight_map: dict[str, int] = {}  # key -> index into `written`
-    total = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            name = f".tmp-model-{len(written) + 1:05d}.safetensors"
-            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-            written.append(name)
-            shard, shard_bytes = {}, 0
-
-    for name, full in _full_tensors(model):  # every rank: the gathers are collective
-        if rank != 0:
-            continue
-        for key, t in hf_items(model, name, full):
-            # safetensors needs contiguous tensors that own their bytes.
-            t = t.to("cpu").contiguous().clone()
-            if shard_bytes and shard_bytes + t.nbytes > limit:
-                flush()
-            shard[key] = t
-            shard_bytes += t.nbytes
-            total += t.nbytes
-            weight_map[key] = len(written)
-    if rank != 0:
-        return None
-    flush()
-
-    # Final names need the shard count, known only now: rename the finished files.
-    n = len(written)
-    final = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    for tmp, name in zip(written, final):
-        os.replace(out_dir / tmp, out_dir / name)
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {k: final[i] for k, i in weight_map.items()},
-    }
     index_path = out_dir / INDEX_FILE
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(str(out_dir))
-    return index_path
+
+    def prepare() -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        index_path.unlink(missing_ok=True)  # an old index must not describe a half-new export
+
+    on_rank0(prepare)
+    entries = _plan(model, rank, world)
+    per_rank = [
+        _pack([p for e in entries for p in e.writes.get(r, [])], limit) for r in range(world)
+    ]
+    n_files = sum(len(f) for f in per_rank)
+    first_file = sum(len(f) for f in per_rank[:rank])
+    names = [
+        f"model-{first_file + i + 1:05d}-of-{n_files:05d}.safetensors"
+        for i in range(len(per_rank[rank]))
+    ]
+
+    error: Exception | None = None
+    try:
+        _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
+    except Exception as e:
+        error = e
+    all_ok(error, f"export_hf: writing {out_dir}")
+    for name in names:
+        os.replace(out_dir / f".tmp-{name}", out_dir / name)
+    all_ok(None, f"export_hf: renaming the files in {out_dir}")
+
+    def write_index() -> Path:
+        weight_map = {}
+        for r, files in enumerate(per_rank):
+            start = sum(len(f) for f in per_rank[:r])
+            for i, planned in enumerate(files):
+                for p in planned:
+                    weight_map[p.key] = f"model-{start + i + 1:05d}-of-{n_files:05d}.safetensors"
+        total = sum(p.nbytes for files in per_rank for f in files for p in f)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(str(out_dir))
+        write_text_atomic(index_path, json.dumps(index, indent=2) + "\n")
+        return index_path
+
+    result = on_rank0(write_index)
+    return result if rank == 0 else None
+
+
+def _write_rank(
+    model: nn.Module,
+    entries: list[_Entry],
+    rank: int,
+    files: list[list[PlannedTensor]],
+    out_dir: Path,
+    names: list[str],
+) -> None:
+    """Write this rank's files, one tensor at a time, in planned order."""
+    queue = [(f, p) for f, planned in enumerate(files) for p in planned]
+    cursor = 0
+    writer: StreamingSafetensorsWriter | None = None
+    for e in entries:
+        if e.kind == "whole":
+            t = e.tensor.full_tensor() if isinstance(e.tensor, DTensor) else e.tensor  # collective
+            if e.owner != rank:
+                continue
+            items = hf_items(model, e.name, t)
+        elif rank in e.writes:
+            items = hf_items(model, e.name, e.tensor.to_local())
+            if e.block[1] != e.tensor.shape[0]:
+                items = [(_renumber(k, e.position, e.block[0]), v) for k, v in items]
+        else:
+            continue
+        for key, value in items:
+            f, planned = queue[cursor]
+            if writer is None or writer.path.name != f".tmp-{names[f]}":
+                if writer is not None:
+                    writer.close()
+                writer = StreamingSafetensorsWriter(out_dir / f".tmp-{names[f]}", files[f])
+            writer.write(key, value)
+            cursor += 1
+            del value
+        del items
+    if writer is not None:
+        writer.close()
+    if cursor != len(queue):
+        raise CheckpointError(f"export_hf: rank {rank} wrote {cursor} of its {len(queue)} keys")

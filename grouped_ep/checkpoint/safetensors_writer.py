@@ -1,0 +1,94 @@
+"""Write a safetensors file one tensor at a time: the header from a plan, then each tensor's bytes.
+
+`safetensors.torch.save_file` needs every tensor of a file in memory at once. A file planned in
+advance (names, dtypes, shapes) has its header known before any tensor exists, so a writer can
+stream: header first, then the tensors in planned order, each staged (made contiguous, on CPU)
+and dropped before the next. Format: 8-byte little-endian header length, a JSON header padded
+with spaces to a multiple of 8, then the data, each tensor at its `data_offsets`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class StreamingSafetensorsWriter:
+    """Writes the planned tensors of one file, in order: `write(key, tensor)` per tensor, `close()`."""
+
+    def __init__(self, path: Path, planned: list[PlannedTensor]) -> None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        start = 0
+        for p in planned:
+            if p.dtype not in _DTYPES:
+                raise ValueError(f"export_hf: {p.key} has dtype {p.dtype}, which safetensors lacks")
+            header[p.key] = {
+                "dtype": _DTYPES[p.dtype],
+                "shape": list(p.shape),
+                "data_offsets": [start, start + p.nbytes],
+            }
+            start += p.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.path = path
+        self._planned = list(planned)
+        self._next = 0
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(text)) + text)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the next planned tensor; its key, dtype and shape must be the planned ones."""
+        if self._next >= len(self._planned):
+            raise ValueError(f"export_hf: {key} was not planned for {self.path.name}")
+        p = self._planned[self._next]
+        if (key, tensor.dtype, tuple(tensor.shape)) != (p.key, p.dtype, p.shape):
+            raise ValueError(
+                f"export_hf: {self.path.name} expected {p.key} {p.dtype} {list(p.shape)} next, got "
+                f"{key} {tensor.dtype} {list(tensor.shape)}"
+            )
+        staged = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(staged.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        """Flush and fsync; raise if a planned tensor was never written."""
+        try:
+            if self._next != len(self._planned):
+                missing = [p.key for p in self._planned[self._next :]]
+                raise ValueError(f"export_hf: {self.path.name} never got {missing[:5]}")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()

@@ -1,0 +1,81 @@
+"""`export_hf` from a sharded model without gathering it: each rank writes the experts of its own
+shard into its own files (no gather of any expert weight), whole tensors are gathered one at a
+time and written by one rank each, and the export loads in transformers with equal logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from _dist import run_ranks
+from safetensors import safe_open
+from test_checkpoint_dist import _check_export, tiny_qwen3_moe
+from torch import nn
+
+from grouped_ep import checkpoint as ck
+
+
+def _export_ep(rank: int, world: int, export_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    model = tiny_qwen3_moe(seed=0)
+    mesh = init_device_mesh("cpu", (world,))
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if p.dim() >= 2 else Replicate()  # experts: Shard(0) = EP
+            sharded = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
+            setattr(module, name, nn.Parameter(sharded))
+    gathered: list[list[int]] = []
+    full_tensor = DTensor.full_tensor
+
+    def counting(self, *args, **kwargs):
+        gathered.append(list(self.shape))
+        return full_tensor(self, *args, **kwargs)
+
+    DTensor.full_tensor = counting
+    try:
+        index = ck.export_hf(model, export_dir, max_shard_size="10KB")
+    finally:
+        DTensor.full_tensor = full_tensor
+    return {"index": None if index is None else str(index), "gathered": gathered}
+
+
+def test_each_rank_writes_its_own_experts_without_gathering_them(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    results = run_ranks(_export_ep, 2, str(out), timeout=180)
+    assert results[0]["index"] == str(out / "model.safetensors.index.json")
+    assert results[1]["index"] is None
+    for r in results:  # the expert weights [E, ., .] were never gathered; 2-D weights were
+        assert r["gathered"] and all(len(s) < 3 for s in r["gathered"]), r["gathered"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert not list(out.glob(".tmp-*"))
+    # Files are numbered rank by rank. Rank 0 holds experts 0-1 of each layer, rank 1 experts
+    # 2-3: each expert key sits in a file of the rank that owned it.
+    writer_of_file: dict[str, int] = {}
+    expert_files = {
+        k: f for k, f in index["weight_map"].items() if ".experts." in k and k[-1] == "t"
+    }
+    assert len(expert_files) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    for key, f in expert_files.items():
+        expert = int(key.split(".experts.")[1].split(".")[0])
+        writer_of_file.setdefault(f, expert // 2)
+        assert writer_of_file[f] == expert // 2, (key, f)
+    first_of_rank1 = min(f for f, r in writer_of_file.items() if r == 1)
+    assert all(f < first_of_rank1 for f, r in writer_of_file.items() if r == 0)
+    # Every key once, with the bytes the reference model has.
+    reference = tiny_qwen3_moe(seed=0)
+    seen = 0
+    for f in files:
+        with safe_open(str(out / f), framework="pt") as sf:
+            for key in sf.keys():
+                assert index["weight_map"][key] == f
+                seen += 1
+                if key == "model.layers.1.mlp.experts.3.down_proj.weight":
+                    expected = reference.model.layers[1].mlp.experts.down_proj[3]
+                    assert torch.equal(sf.get_tensor(key), expected)
+    assert seen == len(index["weight_map"])
+    _check_export(out)
