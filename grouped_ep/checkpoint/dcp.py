@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from grouped_ep.checkpoint import async_save as background
+import grouped_ep.checkpoint.async_save as background
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.collective import (
     all_ok,
