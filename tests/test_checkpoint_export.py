@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from _dist import run_ranks
 from safetensors import safe_open
@@ -79,3 +80,23 @@ def test_each_rank_writes_its_own_experts_without_gathering_them(tmp_path: Path)
                     assert torch.equal(sf.get_tensor(key), expected)
     assert seen == len(index["weight_map"])
     _check_export(out)
+
+
+def test_a_failed_export_leaves_no_index(tmp_path: Path, monkeypatch) -> None:
+    from grouped_ep.checkpoint import safetensors_writer
+
+    out = tmp_path / "hf"
+    model = tiny_qwen3_moe(seed=0)
+    ck.export_hf(model, out, max_shard_size="10KB")  # a complete earlier export in the same dir
+    calls = []
+
+    def fail_on_third(self, key, tensor):
+        calls.append(key)
+        if len(calls) == 3:
+            raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(safetensors_writer.StreamingSafetensorsWriter, "write", fail_on_third)
+    with pytest.raises(ck.CheckpointError, match="disk full"):
+        ck.export_hf(model, out, max_shard_size="10KB")
+    # The old index is gone first: the directory no longer claims to be a complete export.
+    assert not (out / "model.safetensors.index.json").exists()

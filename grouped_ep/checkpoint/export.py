@@ -300,32 +300,47 @@ def _write_rank(
     out_dir: Path,
     names: list[str],
 ) -> None:
-    """Write this rank's files, one tensor at a time, in planned order."""
-    queue = [(f, p) for f, planned in enumerate(files) for p in planned]
+    """Write this rank's files, one tensor at a time, in planned order.
+
+    After a failure the rank still takes part in every remaining gather (so that no other rank
+    waits forever), writes nothing more, and raises at the end.
+    """
+    queue = [f for f, planned in enumerate(files) for _ in planned]
     cursor = 0
     writer: StreamingSafetensorsWriter | None = None
+    error: Exception | None = None
+    t: torch.Tensor | None = None
     for e in entries:
-        if e.kind == "whole":
-            t = e.tensor.full_tensor() if isinstance(e.tensor, DTensor) else e.tensor  # collective
-            if e.owner != rank:
-                continue
-            items = hf_items(model, e.name, t)
-        elif rank in e.writes:
-            items = hf_items(model, e.name, e.tensor.to_local())
-            if e.block[1] != e.tensor.shape[0]:
-                items = [(_renumber(k, e.position, e.block[0]), v) for k, v in items]
-        else:
+        if e.kind == "whole" and isinstance(e.tensor, DTensor):
+            t = e.tensor.full_tensor()  # collective: every rank, every such entry, in order
+        elif e.kind == "whole":
+            t = e.tensor
+        if error is not None or rank not in e.writes:
+            t = None  # a gathered tensor another rank writes: dropped at once
             continue
-        for key, value in items:
-            f, planned = queue[cursor]
-            if writer is None or writer.path.name != f".tmp-{names[f]}":
-                if writer is not None:
-                    writer.close()
-                writer = StreamingSafetensorsWriter(out_dir / f".tmp-{names[f]}", files[f])
-            writer.write(key, value)
-            cursor += 1
-            del value
-        del items
+        try:
+            if e.kind == "whole":
+                items = hf_items(model, e.name, t)
+            else:
+                items = hf_items(model, e.name, e.tensor.to_local())
+                if e.block[1] != e.tensor.shape[0]:
+                    items = [(_renumber(k, e.position, e.block[0]), v) for k, v in items]
+            for key, value in items:
+                if cursor >= len(queue):
+                    raise CheckpointError(f"export_hf: {key} was not planned for rank {rank}")
+                name = out_dir / f".tmp-{names[queue[cursor]]}"
+                if writer is None or writer.path != name:
+                    if writer is not None:
+                        writer.close()
+                    writer = StreamingSafetensorsWriter(name, files[queue[cursor]])
+                writer.write(key, value)
+                cursor += 1
+        except Exception as exc:
+            error = exc
+        finally:
+            t = items = None  # one tensor staged at a time: drop it before the next gather
+    if error is not None:
+        raise error
     if writer is not None:
         writer.close()
     if cursor != len(queue):
