@@ -3,7 +3,10 @@
 dcp.py      `save` / `load`: atomic, compact DCP checkpoints that reshard on load
 layout.py   the root's layout: `step-N/` directories, `latest`, atomic renames; `resolve`
 inspect.py  `describe`: read and check a checkpoint without loading it (CLI: `inspect`)
-export.py   `export_hf`: the Hugging Face safetensors layout with per-expert keys
+async_save.py  the handle of a background save and the wait for it
+collective.py  process-group helpers (work without a process group)
+export.py   `export_hf`: the Hugging Face safetensors layout with per-expert keys, from every rank
+safetensors_writer.py  a safetensors file written one tensor at a time
 """
 
 from grouped_ep.checkpoint.async_save import AsyncSave
