@@ -1,7 +1,7 @@
 """Checkpoints: grouped_ep.checkpoint save/load vs plain DCP on the same model, in one process.
 
 Plain DCP, as a training script uses it: save = `get_state_dict` -> `dcp.save`; load =
-`get_state_dict` -> `dcp.load` -> `set_state_dict`. Times are medians with the two sides
+`get_state_dict` -> `dcp.load` -> `set_state_dict` (`load_state_dict` without an optimizer). Times are medians with the two sides
 alternating rep by rep (the machine is shared). GB/s counts the unique bytes of model +
 optimizer state; disk_over_unique = bytes on disk / unique bytes. Peak RSS growth of a load is
 measured in a fresh process per side (peak reset through /proc/self/clear_refs just before the
