@@ -42,6 +42,7 @@
 #include <cutlass/gemm/kernel/sm90_gemm_array_tma_warpspecialized_cooperative.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <type_traits>
@@ -159,6 +160,21 @@ inline void allow_dynamic_smem(const void* kernel, int bytes, int device) {
   done.insert({kernel, device});
 }
 
+// The SM count and the number of clusters that fit at once, as example 57 fills them
+// (KernelHardwareInfo::make_kernel_hardware_info): the persistent grid is then a whole number
+// of clusters. Once per (kernel, device), after the kernel's shared memory limit is raised.
+template <typename Kernel>
+cutlass::KernelHardwareInfo hardware_info(int device, int sm_count) {
+  static std::mutex mutex;
+  static std::map<int, cutlass::KernelHardwareInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  auto info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device, sm_count);
+  (void)cudaGetLastError();  // a failed occupancy query leaves 0 clusters: CUTLASS then uses SMs
+  return cache.emplace(device, info).first->second;
+}
+
 inline void check_cutlass(cutlass::Status status, const char* what) {
   TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_ep: CUTLASS sm90 grouped GEMM ", what,
               " failed: ", cutlass::cutlassGetStatusString(status));
@@ -195,9 +211,10 @@ void run(const GroupedGemmArgs& args) {
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = args.device;
-  hw_info.sm_count = args.sm_count;
+  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
+  constexpr int kSmem = Kernel::SharedStorageSize;
+  allow_dynamic_smem(kernel, kSmem, args.device);
+  const cutlass::KernelHardwareInfo hw_info = hardware_info<Kernel>(args.device, args.sm_count);
 
   typename Kernel::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
@@ -218,18 +235,20 @@ void run(const GroupedGemmArgs& args) {
                 "workspace initialization");
   typename Kernel::Params params = Kernel::to_underlying_arguments(arguments, workspace);
 
-  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
-  constexpr int kSmem = Kernel::SharedStorageSize;
-  allow_dynamic_smem(kernel, kSmem, args.device);
   const dim3 grid = Kernel::get_grid_shape(params);
   const dim3 block = Kernel::get_block_shape();
   const dim3 cluster(size<0>(typename Cfg::ClusterShape{}), size<1>(typename Cfg::ClusterShape{}),
                      size<2>(typename Cfg::ClusterShape{}));
   void* kernel_params[] = {&params};
-  check_cutlass(cutlass::ClusterLauncher::launch(grid, cluster, block, kSmem, args.stream, kernel,
-                                                 kernel_params),
-                "launch");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cutlass::Status status = cutlass::ClusterLauncher::launch(grid, cluster, block, kSmem,
+                                                                  args.stream, kernel,
+                                                                  kernel_params);
+  // Read the CUDA error first: it says why a launch failed, and must not be left pending.
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(status == cutlass::Status::kSuccess && err == cudaSuccess,
+              "grouped_ep: CUTLASS sm90 grouped GEMM launch failed: ",
+              cutlass::cutlassGetStatusString(status), "; CUDA: ", cudaGetErrorString(err),
+              " (grid ", grid.x, "x", grid.y, ", cluster ", cluster.x, "x", cluster.y, ")");
 }
 
 }  // namespace grouped_ep::cuda::sm90
