@@ -9,6 +9,7 @@ the torch backend's guarantees (zeros, clamped offs, no host sync), the fallback
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -76,7 +77,7 @@ def test_backend_from_env_names_the_variable():
 
 def _import_with_env(value: str) -> subprocess.CompletedProcess:
     code = "import grouped_ep, grouped_ep.backend as b; print(b.get_backend())"
-    env = {"GROUPED_EP_BACKEND": value, "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    env = dict(os.environ, GROUPED_EP_BACKEND=value, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
