@@ -37,9 +37,10 @@ def _check(args: argparse.Namespace) -> int:
     import grouped_ep
     from grouped_ep.selfcheck import format_rows, run_checks
 
-    device = torch.device(args.device) if args.device else None
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(grouped_ep.backend_info())
-    print(f"torch {torch.__version__}, device {device or 'default'}\n")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, device {device} ({name})\n")
     rows = run_checks(device)
     print(format_rows(rows))
     failed = [r for r in rows if not r.passed]
