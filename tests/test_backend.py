@@ -198,13 +198,13 @@ def test_guarantees_without_host_sync(backend):
     for offs_list in ([7, 7, 30, 41], [9, 3, 100, 2]):  # the second one is clamped
         offs = torch.tensor(offs_list, dtype=torch.int32, device="cuda")
         ends = clamp_offs(torch.tensor(offs_list), 50).tolist()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with poisoned_pool("cuda"):
+        with poisoned_pool("cuda"):  # unwritten output elements would be NaN
+            torch.cuda.set_sync_debug_mode("error")
+            try:
                 out = torch.ops.grouped_ep.gemm(x, w, offs, False)
                 dw = torch.ops.grouped_ep.gemm_wgrad(x, dy, offs, False)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         start = 0
         for g, end in enumerate(ends):
             ref = x[start:end].double() @ w[g].double()
