@@ -160,18 +160,30 @@ inline void allow_dynamic_smem(const void* kernel, int bytes, int device) {
   done.insert({kernel, device});
 }
 
-// The SM count and the number of clusters that fit at once, as example 57 fills them
-// (KernelHardwareInfo::make_kernel_hardware_info): the persistent grid is then a whole number
-// of clusters. Once per (kernel, device), after the kernel's shared memory limit is raised.
-template <typename Kernel>
-cutlass::KernelHardwareInfo hardware_info(int device, int sm_count) {
+// The SM count and the number of clusters that fit on the device at once, for
+// KernelHardwareInfo (example 57 fills it with make_kernel_hardware_info): with a cluster count
+// the persistent grid is a whole number of clusters that can all be resident. CUTLASS's own
+// query leaves out the dynamic shared memory (then it overestimates, and the scheduler ignores
+// it); this one passes the kernel's. Once per (kernel, device), after allow_dynamic_smem.
+template <typename Kernel, typename ClusterShape>
+cutlass::KernelHardwareInfo hardware_info(const void* kernel, int smem, int device,
+                                          int sm_count) {
   static std::mutex mutex;
   static std::map<int, cutlass::KernelHardwareInfo> cache;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(device);
   if (it != cache.end()) return it->second;
-  auto info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device, sm_count);
-  (void)cudaGetLastError();  // a failed occupancy query leaves 0 clusters: CUTLASS then uses SMs
+  int clusters = 0;  // unknown: 0 makes CUTLASS size the grid from the SM count
+#if defined(CUTLASS_SM90_CLUSTER_LAUNCH_ENABLED)
+  const dim3 cluster(size<0>(ClusterShape{}), size<1>(ClusterShape{}), size<2>(ClusterShape{}));
+  auto config = cutlass::ClusterLauncher::make_cluster_launch_config(
+      cluster, cluster, dim3(Kernel::MaxThreadsPerBlock, 1, 1), smem);
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config.launch_config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+#endif
+  const cutlass::KernelHardwareInfo info{device, sm_count, clusters};
   return cache.emplace(device, info).first->second;
 }
 
@@ -214,7 +226,8 @@ void run(const GroupedGemmArgs& args) {
   const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
   constexpr int kSmem = Kernel::SharedStorageSize;
   allow_dynamic_smem(kernel, kSmem, args.device);
-  const cutlass::KernelHardwareInfo hw_info = hardware_info<Kernel>(args.device, args.sm_count);
+  const cutlass::KernelHardwareInfo hw_info =
+      hardware_info<Kernel, typename Cfg::ClusterShape>(kernel, kSmem, args.device, args.sm_count);
 
   typename Kernel::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
