@@ -1,7 +1,9 @@
 """Builds grouped_ep._C: C++ CPU kernels always, CUTLASS CUDA kernels when they can be built.
 
 CUDA kernels are built when nvcc and a CUDA build of torch are present and GROUPED_EP_CUDA is
-not "0". The arch list comes from TORCH_CUDA_ARCH_LIST (default "8.0;9.0a"); no GPU is queried.
+not "0". The arch list comes from TORCH_CUDA_ARCH_LIST (default "8.0+PTX;9.0a": sm_80 and sm_90a
+code, plus compute_80 PTX so that newer GPUs JIT-compile the fallback kernels instead of failing
+with "no kernel image"); no GPU is queried.
 """
 
 import glob
@@ -53,7 +55,7 @@ CUDA_HOME = _cuda_home_to_build()
 WITH_CUDA = CUDA_HOME is not None
 if WITH_CUDA:
     os.environ["CUDA_HOME"] = CUDA_HOME
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0+PTX;9.0a")
 os.environ.setdefault("MAX_JOBS", "2")  # nvcc on CUTLASS takes GBs per job
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
@@ -73,7 +75,21 @@ def _sources(*patterns: str) -> list[str]:
 
 cxx_flags = ["-O3", "-fopenmp"]  # torch picks the C++ standard it needs (C++20 for 2.14)
 include_dirs = [str(ROOT / "csrc")]
-sources = _sources("csrc/*.cpp", "csrc/cpu/*.cpp", "csrc/io/*.cpp")
+# backend.cpp (grouped_ep.backend_info / set_backend) has no CUDA dependency: in every build.
+sources = _sources("csrc/*.cpp", "csrc/cpu/*.cpp", "csrc/io/*.cpp", "csrc/cuda/backend.cpp")
+
+
+def _write_build_config() -> str:
+    """A header telling backend_info what this build was compiled for; returns its folder."""
+    folder = ROOT / "build" / "generated"
+    folder.mkdir(parents=True, exist_ok=True)
+    arch_list = os.environ["TORCH_CUDA_ARCH_LIST"].replace('"', "")
+    text = f'#pragma once\n#define GROUPED_EP_CUDA_ARCH_LIST "{arch_list}"\n'
+    header = folder / "grouped_ep_build_config.h"
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    return str(folder)
+
 
 if WITH_CUDA:
     if not (CUTLASS / "include" / "cutlass" / "cutlass.h").exists():
@@ -83,7 +99,7 @@ if WITH_CUDA:
             "or build CPU-only with GROUPED_EP_CUDA=0."
         )
     include_dirs += [str(CUTLASS / "include"), str(CUTLASS / "tools" / "util" / "include")]
-    include_dirs += _pip_cuda_includes()
+    include_dirs += _pip_cuda_includes() + [_write_build_config()]
     nvcc_flags = [
         "-O3",
         "--expt-relaxed-constexpr",
@@ -95,7 +111,7 @@ if WITH_CUDA:
     ]
     ext = CUDAExtension(
         "grouped_ep._C",
-        sources + _sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu"),
+        sorted(set(sources + _sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu"))),
         include_dirs=include_dirs,
         define_macros=[("GROUPED_EP_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},

@@ -19,6 +19,11 @@ TORCH_LIBRARY(grouped_ep, m) {
   // Weight gradient, the "ragged K" product: out[g] = x_g^T @ dy_g ([E, K, N]), or
   // dy_g^T @ x_g ([E, N, K]) with trans_w. Groups with no rows give exact zeros.
   m.def("gemm_wgrad(Tensor x, Tensor dy, Tensor offs, bool trans_w=False) -> Tensor");
+  // Backend of the CUDA ops (csrc/cuda/backend.cpp): sets the requested backend when
+  // set_backend is given, then returns "key=value" lines: the request, the build, and for
+  // device >= 0 the device and (with dtype, k, n) the backend such a call uses and why.
+  m.def("backend_info(str? set_backend=None, int device=-1, ScalarType? dtype=None, int k=0, "
+        "int n=0) -> str[]");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------
   // Copies byte ranges of the files `paths` into the storage of `outs` (contiguous CPU tensors)

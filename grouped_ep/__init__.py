@@ -1,6 +1,7 @@
 """grouped_ep: grouped GEMM, sharded loading and checkpoints for expert-parallel MoE on FSDP2.
 
 ops.py            torch.ops.grouped_ep.gemm / gemm_wgrad: wrappers, fakes, autograd, DTensors
+backend.py        set_backend, backend_info: which CUDA backend (cutlass, torch, fallback) runs
 moe/              GroupedExperts, MoE (layers.py) and token dispatch (dispatch.py)
 parallel.py       make_mesh, apply_expert_parallel, fully_shard_moe
 loading/          load_sharded, LoadReport, LoadError
@@ -12,8 +13,21 @@ demo/             `python -m grouped_ep.demo` (`make demo`); model.py is the sha
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from grouped_ep import _C  # noqa: F401, I001  (registers torch.ops.grouped_ep.*)
+from grouped_ep.backend import apply_env as _apply_backend_env
+from grouped_ep.backend import backend_info, set_backend
 from grouped_ep.loading import LoadError, LoadReport, load_sharded
 from grouped_ep.ops import gemm, gemm_wgrad
 
-__all__ = ["gemm", "gemm_wgrad", "load_sharded", "LoadReport", "LoadError", "__version__"]
+_apply_backend_env()  # GROUPED_EP_BACKEND
+
+__all__ = [
+    "gemm",
+    "gemm_wgrad",
+    "load_sharded",
+    "LoadReport",
+    "LoadError",
+    "set_backend",
+    "backend_info",
+    "__version__",
+]
 __version__ = "0.1.0"

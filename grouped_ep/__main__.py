@@ -1,6 +1,9 @@
 """Command line: `python -m grouped_ep <command> ...`.
 
 Commands:
+    check         run every built grouped GEMM backend on this device against an fp64
+                  reference and print backend, dtype, layout, max error, pass/fail (exit code 1
+                  on a failure). Builds nothing, needs no network: run it first on a new node.
     inspect DIR   list a checkpoint's tensors, shapes, dtypes, chunks and files, and check that
                   every element of every tensor is saved exactly once (exit code 1 if not).
 """
@@ -28,9 +31,35 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    import torch
+
+    import grouped_ep
+    from grouped_ep.selfcheck import format_rows, run_checks
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(grouped_ep.backend_info())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, device {device} ({name})\n")
+    rows = run_checks(device)
+    print(format_rows(rows))
+    failed = [r for r in rows if not r.passed]
+    if failed:
+        print(f"error: {len(failed)} of {len(rows)} checks failed", file=sys.stderr)
+        return 1
+    print(f"all {len(rows)} checks passed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grouped_ep")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("check", help="check every built GEMM backend on this device")
+    p.add_argument(
+        "--device", help="e.g. cuda:1 or cpu (default: the current CUDA device, else cpu)"
+    )
+    p.set_defaults(func=_check)
 
     p = commands.add_parser("inspect", help="describe and check a DCP checkpoint directory")
     p.add_argument("dir", help="a checkpoint directory, or a root with a `latest` file")

@@ -1,8 +1,11 @@
-"""GPU tests of the CUDA grouped GEMM (csrc/cuda): forward, both gradients, every kernel path.
+"""GPU tests of the CUDA grouped GEMM (csrc/cuda): forward, both gradients, every backend.
 
-Paths (see csrc/cuda/gemm_cuda.cu): bf16/fp16 with K and N multiples of 8 run CUTLASS (sm90 on
-Hopper, sm80 elsewhere); fp32 and unaligned K/N run the tiled fallback. Outputs are allocated from
-a NaN-poisoned pool, so an element that no kernel writes shows up as NaN. Skipped without a GPU.
+Every test runs once per requested backend (the autouse `backend` fixture: cutlass, torch,
+fallback; see csrc/cuda/gemm_cuda.cpp). A case the requested backend cannot run (fp32, K or N
+not a multiple of 8; torch: anything but bf16 on sm 9.0/10.0) takes the tiled fallback, so each
+run covers the requested backend where it applies and the fallback elsewhere. Outputs are
+allocated from a NaN-poisoned pool, so an element that no kernel writes shows up as NaN.
+Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ pytestmark = [
 ]
 
 DEV = "cuda"
+BACKENDS = ["cutlass", "torch", "fallback"]
+
+
+@pytest.fixture(params=BACKENDS, autouse=True)
+def backend(request, monkeypatch):
+    """Runs the test with this backend requested (also in subprocesses, by the env var)."""
+    grouped_ep.set_backend(request.param)
+    monkeypatch.setenv("GROUPED_EP_BACKEND", request.param)
+    yield request.param
+    grouped_ep.set_backend(None)
+
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TAIL = 5  # rows past offs[-1], which must come out as exact zeros
 
@@ -226,26 +241,41 @@ def _kernel_names(fn) -> str:
     return "\n".join(e.key for e in prof.key_averages())
 
 
-def test_dispatch_path():
-    """The kernel each dtype/shape runs on this device (see csrc/cuda/gemm_cuda.cpp). Expects
-    the default arch list (8.0;9.0a): Hopper runs the CUTLASS 3.x kernels."""
-    major = torch.cuda.get_device_capability()[0]
+def test_dispatch_path(backend):
+    """The kernel each dtype/shape runs with the requested backend on this device: the one
+    grouped_ep.backend.backend_for names (see csrc/cuda/gemm_cuda.cpp)."""
+    from grouped_ep.backend import backend_for
+
     cases = {
         "aligned bf16": (torch.bfloat16, 64, 32),
         "aligned fp16": (torch.float16, 64, 32),
         "fp32": (torch.float32, 64, 32),
         "unaligned bf16": (torch.bfloat16, 60, 32),
     }
+    ours = ("fwd_kernel", "sm80::grouped_kernel")
+    cutlass_kernels = grouped_ep.backend_info().devices[torch.cuda.current_device()].cutlass_kernels
     for name, (dtype, k, n) in cases.items():
         x, w, offs = _inputs([30, 0, 50], k, n, dtype, trans_w=False)
         names = _kernel_names(lambda x=x, w=w, offs=offs: grouped_ep.gemm(x, w, offs))
-        if name.startswith("aligned") and major == 9:
-            expected = "GemmUniversal"  # cutlass::device_kernel<...GemmUniversal<...>>
-        elif name.startswith("aligned") and major >= 8:
-            expected = "sm80::grouped_kernel"
-        else:
-            expected = "fwd_kernel"
-        assert expected in names, f"{name}: expected a kernel named {expected!r}, ran:\n{names}"
+        ran, reason = backend_for(dtype, k, n)
+        if name.startswith("unaligned") or dtype == torch.float32:
+            assert ran == "fallback", (name, ran, reason)
+        elif backend == "fallback":
+            assert ran == "fallback", (name, ran, reason)
+        if ran == "fallback":
+            expected = ["fwd_kernel"]
+        elif ran == "cutlass" and cutlass_kernels == "sm90a":
+            expected = ["GemmUniversal"]  # cutlass::device_kernel<...GemmUniversal<...>>
+        elif ran == "cutlass":
+            expected = ["sm80::grouped_kernel"]
+        else:  # torch: its own kernel, none of ours but the offs clamp and the zero fill
+            expected = ["zero_tail_rows"]
+            assert not any(k in names for k in ours), names
+            assert "setup_kernel" not in names, names
+        for kernel in expected:
+            assert kernel in names, (
+                f"{name}: expected a kernel {kernel!r} ({reason}), ran:\n{names}"
+            )
         assert "clamp_offs" in names or "setup_kernel" in names, names
 
 

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gemm_cuda.h"
@@ -40,7 +41,8 @@ __device__ __forceinline__ void mma_step(const float (&As)[kStep][kTile],
 
 // Forward: out rows [start, end) of group g = x rows [start, end) @ w_g. blockIdx.x enumerates
 // the 64-row tiles of all groups in order (group-aligned, so a tile never spans two groups);
-// gridDim.x is an upper bound (ceil(T/64) + E) and surplus blocks exit. blockIdx.y: 64 columns.
+// gridDim.x is an upper bound (ceil(T/64) + E) and surplus blocks exit. Column tiles of 64 are
+// walked with a grid-stride loop over blockIdx.y (gridDim.y <= 65535), so N has no limit.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
@@ -55,12 +57,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (g == groups) return;
   const int64_t row0 = start + tile * kTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const T* wg = w + g * K * N;
+  const int64_t col_tiles = (N + kTile - 1) / kTile;
 
   __shared__ float As[kStep][kTile];
   __shared__ float Bs[kStep][kTile];
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  for (int64_t col_tile = blockIdx.y; col_tile < col_tiles; col_tile += gridDim.y) {
+  const int64_t col0 = col_tile * kTile;
   float acc[kPer][kPer] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kStep) {
     for (int idx = tid; idx < kStep * kTile; idx += kThreads) {
@@ -94,10 +98,11 @@ __global__ void __launch_bounds__(kThreads)
       if (col < N) out[row * N + col] = static_cast<T>(acc[i][j]);
     }
   }
+  }  // col_tile
 }
 
 // Weight gradient: out[g] (P x Q) = a_g^T b_g over the rows of group g. blockIdx.x = group x
-// 64-row tile of P, blockIdx.y = 64 columns of Q. Every element of out is written here, groups
+// 64-row tile of P; blockIdx.y strides over the 64-column tiles of Q. Every element of out is written here, groups
 // without rows included (as zeros).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -105,13 +110,15 @@ __global__ void __launch_bounds__(kThreads)
                  const int64_t* __restrict__ ends, int64_t P, int64_t Q, int64_t p_tiles) {
   const int64_t g = blockIdx.x / p_tiles;
   const int64_t p0 = (blockIdx.x % p_tiles) * kTile;
-  const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t q_tiles = (Q + kTile - 1) / kTile;
   int64_t start, end;
   group_rows(ends, g, start, end);
 
   __shared__ float As[kStep][kTile];
   __shared__ float Bs[kStep][kTile];
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  for (int64_t q_tile = blockIdx.y; q_tile < q_tiles; q_tile += gridDim.y) {
+  const int64_t q0 = q_tile * kTile;
   float acc[kPer][kPer] = {};
   for (int64_t t0 = start; t0 < end; t0 += kStep) {
     for (int idx = tid; idx < kStep * kTile; idx += kThreads) {
@@ -135,6 +142,7 @@ __global__ void __launch_bounds__(kThreads)
       if (q < Q) og[p * Q + q] = static_cast<T>(acc[i][j]);
     }
   }
+  }  // q_tile
 }
 
 template <typename T>
@@ -142,9 +150,8 @@ void launch(const GroupedGemmArgs& args, GemmKind kind) {
   const auto* a = static_cast<const T*>(args.a);
   const auto* b = static_cast<const T*>(args.b);
   auto* d = static_cast<T*>(args.d);
-  const int64_t col_tiles = (args.n + kTile - 1) / kTile;
-  TORCH_CHECK(col_tiles <= 65535, "grouped_ep: the fallback GEMM kernel supports at most ",
-              65535 * kTile, " output columns, got ", args.n);
+  // The kernels stride over column tiles, so any N fits in gridDim.y's 65535.
+  const int64_t col_tiles = std::min<int64_t>((args.n + kTile - 1) / kTile, 65535);
   if (kind == GemmKind::kWgrad) {
     const int64_t p_tiles = (args.k + kTile - 1) / kTile;
     const int64_t blocks = args.groups * p_tiles;

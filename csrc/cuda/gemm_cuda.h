@@ -55,6 +55,7 @@ struct GroupedGemmArgs {
   const void* offs = nullptr;  // [E] cumulative end offsets on the device, int32 or int64
   bool offs_int64 = false;
   int64_t* ends = nullptr;  // [E] device scratch: receives the clamped end offsets
+  int32_t* ends32 = nullptr;  // optional [E]: the same ends as int32 (torch's offsets), T < 2^31
   int64_t groups = 0;       // E
   int64_t rows = 0;         // T
   int64_t k = 0;            // forward: K; wgrad: P
@@ -70,7 +71,8 @@ constexpr int kSetupThreads = 512;
 
 // Clamps offs on the device: ends[g] = min(max(offs[0..g], 0), T), i.e. non-decreasing and
 // within [0, T]. CUDA cannot validate offs without a host sync, so bad offs are clamped instead
-// (the CPU kernels raise an error): no kernel can read or write out of bounds.
+// (the CPU kernels raise an error): no kernel can read or write out of bounds. Also writes
+// args.ends32 when it is set.
 void launch_clamp_offs(const GroupedGemmArgs& args);
 
 // Zeroes what no GEMM tile writes, reading the clamped ends on the device. Forward: rows

@@ -15,17 +15,18 @@ namespace grouped_ep::cuda {
 
 template <typename OffT>
 __global__ void __launch_bounds__(kSetupThreads)
-    clamp_offs_kernel(const OffT* offs, int64_t groups, int64_t rows, int64_t* ends) {
-  block_clamp_offs(offs, groups, rows, ends);
+    clamp_offs_kernel(const OffT* offs, int64_t groups, int64_t rows, int64_t* ends,
+                      int32_t* ends32) {
+  block_clamp_offs(offs, groups, rows, ends, ends32);
 }
 
 void launch_clamp_offs(const GroupedGemmArgs& args) {
   if (args.offs_int64) {
     clamp_offs_kernel<<<1, kSetupThreads, 0, args.stream>>>(
-        static_cast<const int64_t*>(args.offs), args.groups, args.rows, args.ends);
+        static_cast<const int64_t*>(args.offs), args.groups, args.rows, args.ends, args.ends32);
   } else {
     clamp_offs_kernel<<<1, kSetupThreads, 0, args.stream>>>(
-        static_cast<const int32_t*>(args.offs), args.groups, args.rows, args.ends);
+        static_cast<const int32_t*>(args.offs), args.groups, args.rows, args.ends, args.ends32);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -18,8 +18,10 @@ struct MaxOp {
 // to offs wherever offs is valid. Bad offs (decreasing, negative, past T) thus give empty or
 // truncated groups instead of out-of-bounds reads and writes. On return `ends` is visible to
 // the whole block.
+// When ends32 is not null it receives the same values as int32 (rows < 2^31 then).
 template <typename OffT>
-__device__ void block_clamp_offs(const OffT* offs, int64_t groups, int64_t rows, int64_t* ends) {
+__device__ void block_clamp_offs(const OffT* offs, int64_t groups, int64_t rows, int64_t* ends,
+                                 int32_t* ends32 = nullptr) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage temp;
   int64_t carry = 0;  // running max of the previous chunks; starting at 0 clamps negatives
@@ -30,7 +32,10 @@ __device__ void block_clamp_offs(const OffT* offs, int64_t groups, int64_t rows,
     int64_t chunk_max;  // cub gives every thread the block-wide aggregate
     Scan(temp).InclusiveScan(v, v, MaxOp{}, chunk_max);
     v = v > carry ? v : carry;
-    if (g < groups) ends[g] = v < rows ? v : rows;
+    if (g < groups) {
+      ends[g] = v < rows ? v : rows;
+      if (ends32 != nullptr) ends32[g] = static_cast<int32_t>(ends[g]);
+    }
     carry = chunk_max > carry ? chunk_max : carry;
     __syncthreads();  // `temp` is reused by the next chunk; also publishes `ends`
   }

@@ -42,6 +42,7 @@
 #include <cutlass/gemm/kernel/sm90_gemm_array_tma_warpspecialized_cooperative.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <type_traits>
@@ -159,6 +160,33 @@ inline void allow_dynamic_smem(const void* kernel, int bytes, int device) {
   done.insert({kernel, device});
 }
 
+// The SM count and the number of clusters that fit on the device at once, for
+// KernelHardwareInfo (example 57 fills it with make_kernel_hardware_info): with a cluster count
+// the persistent grid is a whole number of clusters that can all be resident. CUTLASS's own
+// query leaves out the dynamic shared memory (then it overestimates, and the scheduler ignores
+// it); this one passes the kernel's. Once per (kernel, device), after allow_dynamic_smem.
+template <typename Kernel, typename ClusterShape>
+cutlass::KernelHardwareInfo hardware_info(const void* kernel, int smem, int device,
+                                          int sm_count) {
+  static std::mutex mutex;
+  static std::map<int, cutlass::KernelHardwareInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int clusters = 0;  // unknown: 0 makes CUTLASS size the grid from the SM count
+#if defined(CUTLASS_SM90_CLUSTER_LAUNCH_ENABLED)
+  const dim3 cluster(size<0>(ClusterShape{}), size<1>(ClusterShape{}), size<2>(ClusterShape{}));
+  auto config = cutlass::ClusterLauncher::make_cluster_launch_config(
+      cluster, cluster, dim3(Kernel::MaxThreadsPerBlock, 1, 1), smem);
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config.launch_config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+#endif
+  const cutlass::KernelHardwareInfo info{device, sm_count, clusters};
+  return cache.emplace(device, info).first->second;
+}
+
 inline void check_cutlass(cutlass::Status status, const char* what) {
   TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_ep: CUTLASS sm90 grouped GEMM ", what,
               " failed: ", cutlass::cutlassGetStatusString(status));
@@ -195,9 +223,11 @@ void run(const GroupedGemmArgs& args) {
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = args.device;
-  hw_info.sm_count = args.sm_count;
+  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
+  constexpr int kSmem = Kernel::SharedStorageSize;
+  allow_dynamic_smem(kernel, kSmem, args.device);
+  const cutlass::KernelHardwareInfo hw_info =
+      hardware_info<Kernel, typename Cfg::ClusterShape>(kernel, kSmem, args.device, args.sm_count);
 
   typename Kernel::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
@@ -218,18 +248,20 @@ void run(const GroupedGemmArgs& args) {
                 "workspace initialization");
   typename Kernel::Params params = Kernel::to_underlying_arguments(arguments, workspace);
 
-  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
-  constexpr int kSmem = Kernel::SharedStorageSize;
-  allow_dynamic_smem(kernel, kSmem, args.device);
   const dim3 grid = Kernel::get_grid_shape(params);
   const dim3 block = Kernel::get_block_shape();
   const dim3 cluster(size<0>(typename Cfg::ClusterShape{}), size<1>(typename Cfg::ClusterShape{}),
                      size<2>(typename Cfg::ClusterShape{}));
   void* kernel_params[] = {&params};
-  check_cutlass(cutlass::ClusterLauncher::launch(grid, cluster, block, kSmem, args.stream, kernel,
-                                                 kernel_params),
-                "launch");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cutlass::Status status = cutlass::ClusterLauncher::launch(grid, cluster, block, kSmem,
+                                                                  args.stream, kernel,
+                                                                  kernel_params);
+  // Read the CUDA error first: it says why a launch failed, and must not be left pending.
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(status == cutlass::Status::kSuccess && err == cudaSuccess,
+              "grouped_ep: CUTLASS sm90 grouped GEMM launch failed: ",
+              cutlass::cutlassGetStatusString(status), "; CUDA: ", cudaGetErrorString(err),
+              " (grid ", grid.x, "x", grid.y, ", cluster ", cluster.x, "x", cluster.y, ")");
 }
 
 }  // namespace grouped_ep::cuda::sm90
