@@ -90,6 +90,7 @@ def _busy() -> int:
 
 def run_jobs(out: Path, jobs: int, worlds: list[int], checkpoint: str, busy: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    parent = os.getpid()
     busy_pid = _busy() if busy else None
     bad: list[dict] = []
     t0 = time.perf_counter()
@@ -137,8 +138,8 @@ def run_jobs(out: Path, jobs: int, worlds: list[int], checkpoint: str, busy: boo
                     log.unlink()
             print(f"job {job} world {world}: {len(bad)} bad rank(s) so far", file=sys.stderr,
                   flush=True)  # fmt: skip
-    finally:
-        if busy_pid:
+    finally:  # a rank unwinds through here on its way to exit: only the parent cleans up
+        if busy_pid and os.getpid() == parent:
             os.kill(busy_pid, 9)
             os.waitpid(busy_pid, 0)
     return {"jobs": jobs, "worlds": worlds, "bad": bad, "seconds": time.perf_counter() - t0}
