@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -52,11 +53,19 @@ constexpr size_t kLookahead = 4;
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and we fall back
 #endif
 
+// GROUPED_EP_READER_HUGEPAGES=0 / GROUPED_EP_READER_POPULATE=0 turn the two page hints below
+// off (for measuring them: huge pages can stall in direct compaction on a host short of memory).
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // Fresh destination memory would otherwise be faulted in by the kernel during the copy, one
 // 4 KiB page at a time. Asking for transparent huge pages on the 2 MiB-aligned interior of
 // large outputs cuts the faults 512x (a hint: ignored where THP is off).
 void advise_huge_pages(const at::Tensor& out) {
-  if (out.nbytes() < 2 * kHugePage) return;
+  static const bool enabled = env_flag("GROUPED_EP_READER_HUGEPAGES");
+  if (!enabled || out.nbytes() < 2 * kHugePage) return;
   const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
   const uintptr_t last = (begin + out.nbytes()) / kHugePage * kHugePage;
@@ -276,13 +285,14 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   // leaving a thread's function is std::terminate).
   auto work = [&]() noexcept {
     try {
+      static const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE");
       bool madvise_works = true;
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t i = next.fetch_add(1);
         if (i >= chunks.size()) return;
         prefetch(i + ahead);
         const Chunk& c = chunks[i];
-        for (size_t s = c.first; s < c.last; ++s) {
+        for (size_t s = c.first; populate_enabled && s < c.last; ++s) {
           populate(segments[s].dst, segments[s].len, madvise_works);
         }
         std::string why = preadv_full(files.fd(c.file), c, segments);
