@@ -11,8 +11,8 @@
 //   3. Read-ahead: POSIX_FADV_SEQUENTIAL on every file, and POSIX_FADV_WILLNEED on the chunk
 //      kLookahead * threads ahead of the one being read, so a cold file has many reads in flight.
 //   4. No page fault hides inside the reads: before reading a chunk, its worker populates the
-//      destination pages itself (MADV_POPULATE_WRITE, on transparent huge pages where the
-//      kernel has them), so the copy out of the page cache runs into resident memory.
+//      destination pages itself (MADV_POPULATE_WRITE), so the copy out of the page cache runs
+//      into resident memory.
 // The first error stops the other threads and is reported with the file, the offset and the
 // reason. Every thread is joined on every path (errors and failed thread creation included):
 // no std::thread outlives the call, none is left joinable.
@@ -53,18 +53,21 @@ constexpr size_t kLookahead = 4;
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and we fall back
 #endif
 
-// GROUPED_EP_READER_HUGEPAGES=0 / GROUPED_EP_READER_POPULATE=0 turn the two page hints below
-// off (for measuring them: huge pages can stall in direct compaction on a host short of memory).
-bool env_flag(const char* name) {
+// GROUPED_EP_READER_HUGEPAGES=1 turns transparent huge pages on for the destinations (off by
+// default: on the shared 2-core bench machine, short of memory, huge-page allocation stalled in
+// compaction and loads ran at 0.76x get_slice against 1.65x without it, geomean of two quick
+// bench runs minutes apart, bench/results/*-20261122-1959-quick and -2003-quick).
+// GROUPED_EP_READER_POPULATE=0 turns the populate-before-read step off (to measure it).
+bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return v == nullptr || *v == '\0' ? fallback : std::strcmp(v, "0") != 0;
 }
 
 // Fresh destination memory would otherwise be faulted in by the kernel during the copy, one
 // 4 KiB page at a time. Asking for transparent huge pages on the 2 MiB-aligned interior of
 // large outputs cuts the faults 512x (a hint: ignored where THP is off).
 void advise_huge_pages(const at::Tensor& out) {
-  static const bool enabled = env_flag("GROUPED_EP_READER_HUGEPAGES");
+  static const bool enabled = env_flag("GROUPED_EP_READER_HUGEPAGES", false);
   if (!enabled || out.nbytes() < 2 * kHugePage) return;
   const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
@@ -285,7 +288,7 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   // leaving a thread's function is std::terminate).
   auto work = [&]() noexcept {
     try {
-      static const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE");
+      static const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE", true);
       bool madvise_works = true;
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t i = next.fetch_add(1);
