@@ -16,6 +16,12 @@ Columns (per ranks x method x cache; timing and memory are the worst rank):
                   minus the RSS before loading; local_mib: the rank's local shard
   same_data       (grouped_ep rows) every rank's local tensors are byte-identical under the three
                   methods (sha256 of names, dtypes, shapes and bytes)
+  minor_faults    page faults of the rank during the load (ru_minflt): first touches of fresh
+                  memory, and for get_slice the mmap of the file itself
+  seq_read        (one row per ranks x cache) the disk's limit: one process reads every file whole,
+                  in file order, in 16 MiB reads into one reused, already-faulted buffer; gbps is
+                  file bytes / seconds. vs_seq_read_x (grouped_ep rows) = grouped_ep GB/s of owned
+                  bytes / seq_read GB/s in the same run and cache state
   cold            the files' pages evicted first (posix_fadvise DONTNEED after fsync, or
                   drop_caches), with the fraction still resident (mincore) in `resident`;
                   hot: every file read once just before
@@ -169,6 +175,24 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
+def sequential_read(paths: list[Path], block: int = 16 << 20) -> tuple[int, float]:
+    """Read the files whole, in order, into one reused buffer: (bytes, seconds). The buffer is
+    written once before the clock starts, so no page fault is timed."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while n := os.readv(fd, [view]):
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
 # ---- one rank --------------------------------------------------------------------------------------
 
 
@@ -289,6 +313,7 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
             pass
         dist.barrier()  # start together: no rank's start-up overlaps another's load
         rss0, rchar0, storage0 = _rss_kib("VmRSS"), _io("rchar"), _io("read_bytes")
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         if method == "grouped_ep":
             report = load_sharded(model, ckpt, device=device, progress=False)
@@ -303,6 +328,7 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         maxrss, growth = (
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             _rss_kib("VmHWM") - rss0,
@@ -320,6 +346,7 @@ def rank_main(rank, world, port, method, spec, ckpt, device, results) -> None:
                 "maxrss_kib": maxrss,
                 "growth_kib": growth,
                 "digest": digest,
+                "faults": faults,
             }
         )
         dist.destroy_process_group()
@@ -387,6 +414,15 @@ def run(device: str, quick: bool, log) -> list[dict]:
             for cache in ("cold", "hot"):
                 speed: dict[str, float] = {}
                 digests: dict[str, list[str]] = {}
+                how = evict(files) if cache == "cold" else (warm(files) or "warm read")
+                resident = resident_fraction(files)
+                nbytes, secs = sequential_read(files)
+                seq_gbps = nbytes / secs / 1e9
+                rows.append(
+                    {"case": f"seq_read-x{world}-{cache}", "ranks": world, "seconds": secs,
+                     "gbps": seq_gbps, "resident": resident, "evicted_by": how}
+                )  # fmt: skip
+                log(f"loader: seq_read-x{world}-{cache:<13} {seq_gbps:6.2f} GB/s (disk limit)")
                 for method in METHODS:
                     if cache == "cold":
                         how = evict(files)
@@ -427,6 +463,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
                         "peak_rss_mib": max(r["maxrss_kib"] for r in ranks) / 1024,
                         "rss_growth_mib": max(r["growth_kib"] for r in ranks) / 1024,
                         "local_mib": max(r["owned"] for r in ranks) / 2**20,
+                        "minor_faults": max(r["faults"] for r in ranks),
                         "resident": resident,
                         "evicted_by": how,
                         "reps": reps,
@@ -441,6 +478,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
                     if row["case"].startswith("grouped_ep"):
                         row["vs_get_slice_x"] = speed["grouped_ep"] / speed["get_slice"]
                         row["vs_read_whole_x"] = speed["grouped_ep"] / speed["read_whole"]
+                        row["vs_seq_read_x"] = speed["grouped_ep"] / 1e9 / seq_gbps
                         row["same_data"] = (
                             digests["grouped_ep"] == digests["get_slice"] == digests["read_whole"]
                         )

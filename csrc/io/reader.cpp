@@ -1,22 +1,36 @@
 // The native half of grouped_ep.load_sharded: copies planned byte ranges of checkpoint files
-// into the memory of CPU tensors, with a pool of threads issuing large pread() calls.
+// into the memory of CPU tensors, with a pool of threads issuing large preadv() calls.
 //
-// Python decides which bytes go where (grouped_ep/loader.py); this file only moves them. Long
-// ranges are cut into chunks so that every thread has work even when one tensor dominates, and
-// threads pull chunks from a shared counter. Each file is opened once per call; pread() on a
-// shared descriptor is thread-safe. The first error stops the other threads and is reported
-// with the file, the offset and the reason.
+// Python decides which bytes go where (grouped_ep/loading/); this file only moves them:
+//   1. Every plan row is validated before any byte is read.
+//   2. Rows are sorted by (file, offset) and cut into chunks of up to kChunkBytes of *contiguous
+//      file bytes*: ranges that touch in the file are read by one preadv() into their scattered
+//      destinations (an expert's gate, up and down weights are adjacent in a safetensors file
+//      but land in three tensors). Chunks are taken in file order from a shared counter, so the
+//      disk sees one sequential stream per file however many threads read it.
+//   3. Read-ahead: POSIX_FADV_SEQUENTIAL on every file, and POSIX_FADV_WILLNEED on the chunk
+//      kLookahead * threads ahead of the one being read, so a cold file has many reads in flight.
+//   4. No page fault hides inside the reads: before reading a chunk, its worker populates the
+//      destination pages itself (MADV_POPULATE_WRITE), so the copy out of the page cache runs
+//      into resident memory.
+// The first error stops the other threads and is reported with the file, the offset and the
+// reason. Every thread is joined on every path (errors and failed thread creation included):
+// no std::thread outlives the call, none is left joinable.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -27,22 +41,34 @@
 namespace grouped_ep {
 namespace {
 
-constexpr int64_t kChunkBytes = 8 << 20;  // large enough for the kernel's read-ahead, small
-                                          // enough to spread one big tensor over all threads
-constexpr int64_t kPlanCols = 5;          // file, out, src_offset, dst_offset, length
+constexpr int64_t kChunkBytes = 16 << 20;  // a few read-ahead windows; still spreads one large
+                                           // tensor over every thread
+constexpr int64_t kPlanCols = 5;           // file, out, src_offset, dst_offset, length
 constexpr uintptr_t kHugePage = 2 << 20;
-// Chunks are taken in order; a worker that takes chunk i asks the kernel to start reading
-// chunk i + kLookahead * workers. Cold files then see many reads in flight instead of one
-// synchronous read-ahead window per thread (threads sharing a descriptor also share, and
-// confuse, its read-ahead state).
+constexpr size_t kMaxSegments = 512;  // iovecs per preadv (IOV_MAX is 1024 on Linux)
+// A worker that takes chunk i asks the kernel to start reading chunk i + kLookahead * workers.
 constexpr size_t kLookahead = 4;
 
-// Fresh destination memory is faulted in by the kernel during pread, one 4 KiB page at a time;
-// on many machines that costs more than the copy. Asking for transparent huge pages on the
-// 2 MiB-aligned interior of large outputs cuts the faults 512x (a hint: ignored where THP is
-// off, and harmless on memory that is already resident).
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and we fall back
+#endif
+
+// GROUPED_EP_READER_HUGEPAGES=1 turns transparent huge pages on for the destinations (off by
+// default: on the shared 2-core bench machine, short of memory, huge-page allocation stalled in
+// compaction and loads ran at 0.76x get_slice against 1.65x without it, geomean of two quick
+// bench runs minutes apart, bench/results/*-20261122-1959-quick and -2003-quick).
+// GROUPED_EP_READER_POPULATE=0 turns the populate-before-read step off (to measure it).
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? fallback : std::strcmp(v, "0") != 0;
+}
+
+// Fresh destination memory would otherwise be faulted in by the kernel during the copy, one
+// 4 KiB page at a time. Asking for transparent huge pages on the 2 MiB-aligned interior of
+// large outputs cuts the faults 512x (a hint: ignored where THP is off).
 void advise_huge_pages(const at::Tensor& out) {
-  if (out.nbytes() < 2 * kHugePage) return;
+  static const bool enabled = env_flag("GROUPED_EP_READER_HUGEPAGES", false);
+  if (!enabled || out.nbytes() < 2 * kHugePage) return;
   const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
   const uintptr_t last = (begin + out.nbytes()) / kHugePage * kHugePage;
@@ -51,11 +77,40 @@ void advise_huge_pages(const at::Tensor& out) {
 #endif
 }
 
+// Makes [dst, dst + len) resident and writable before the read. MADV_POPULATE_WRITE faults the
+// whole range in one call; where the kernel lacks it (or the mapping refuses it), one write per
+// page does the same. Writing a byte the read then overwrites is harmless.
+void populate(uint8_t* dst, int64_t len, bool& madvise_works) {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  if (len <= 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(dst) / page * page;
+  const auto end = reinterpret_cast<uintptr_t>(dst) + static_cast<uintptr_t>(len);
+  if (madvise_works &&
+      ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) {
+    return;
+  }
+  madvise_works = false;
+  volatile uint8_t* p = dst;
+  for (int64_t off = 0; off < len;) {
+    p[off] = 0;
+    off += static_cast<int64_t>(page - (reinterpret_cast<uintptr_t>(dst + off) % page));
+  }
+}
+
+struct Row {
+  int64_t file;
+  int64_t src;
+  uint8_t* dst;
+  int64_t len;
+};
+
+// `len` contiguous bytes of one file at `src`, read into segments [first, last) of `segments`.
 struct Chunk {
   int64_t file;
-  uint8_t* dst;
   int64_t src;
   int64_t len;
+  size_t first;
+  size_t last;
 };
 
 // Owns the open descriptors of one call; closes them however the call ends.
@@ -67,6 +122,7 @@ class Files {
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       GE_CHECK(fd >= 0, "read_ranges: cannot open ", path, ": ", std::strerror(errno));
       fds_.push_back(fd);
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a larger read-ahead window
     }
   }
   ~Files() {
@@ -82,23 +138,81 @@ class Files {
   std::vector<int> fds_;
 };
 
-// Reads exactly `len` bytes at `offset`; returns an empty string, or what went wrong.
-std::string pread_full(int fd, uint8_t* dst, int64_t offset, int64_t len) {
+// Joins every thread it holds when it goes out of scope, whatever the path: a std::thread
+// destroyed while joinable calls std::terminate ("terminate called without an active
+// exception"), and a thread still running would read this call's freed locals.
+class JoinAll {
+ public:
+  explicit JoinAll(size_t n) { threads_.reserve(n); }
+  ~JoinAll() {
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  JoinAll(const JoinAll&) = delete;
+  JoinAll& operator=(const JoinAll&) = delete;
+  template <class F>
+  void start(F&& f) {
+    threads_.emplace_back(std::forward<F>(f));
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+};
+
+// Reads exactly the chunk's bytes into its segments; returns an empty string, or what went wrong.
+std::string preadv_full(int fd, const Chunk& c, const std::vector<Row>& segments) {
+  std::vector<iovec> iov;
+  iov.reserve(c.last - c.first);
+  for (size_t s = c.first; s < c.last; ++s) {
+    iov.push_back({segments[s].dst, static_cast<size_t>(segments[s].len)});
+  }
+  size_t next = 0;  // first iovec not yet complete
   int64_t done = 0;
-  while (done < len) {
-    const ssize_t n = ::pread(fd, dst + done, static_cast<size_t>(len - done), offset + done);
+  while (done < c.len) {
+    const int count = static_cast<int>(std::min<size_t>(iov.size() - next, IOV_MAX));
+    const ssize_t n = ::preadv(fd, iov.data() + next, count, c.src + done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return std::string("pread failed at offset ") + std::to_string(offset + done) + ": " +
+      return std::string("pread failed at offset ") + std::to_string(c.src + done) + ": " +
              std::strerror(errno);
     }
     if (n == 0) {
-      return "unexpected end of file at offset " + std::to_string(offset + done) + " (wanted " +
-             std::to_string(len - done) + " more bytes; is the file truncated?)";
+      return "unexpected end of file at offset " + std::to_string(c.src + done) + " (wanted " +
+             std::to_string(c.len - done) + " more bytes; is the file truncated?)";
     }
     done += n;
+    for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what was filled
+      const size_t take = std::min(left, iov[next].iov_len);
+      iov[next].iov_base = static_cast<uint8_t*>(iov[next].iov_base) + take;
+      iov[next].iov_len -= take;
+      left -= take;
+      if (iov[next].iov_len == 0) ++next;
+    }
   }
   return {};
+}
+
+// Sorted rows -> chunks of contiguous file bytes (segments are rows cut at chunk boundaries).
+void make_chunks(std::vector<Row>& rows, std::vector<Row>& segments, std::vector<Chunk>& chunks) {
+  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    return a.file != b.file ? a.file < b.file : a.src < b.src;
+  });
+  for (const Row& r : rows) {
+    for (int64_t b = 0; b < r.len;) {
+      const bool extend = !chunks.empty() && chunks.back().file == r.file &&
+                          chunks.back().src + chunks.back().len == r.src + b &&
+                          chunks.back().len < kChunkBytes &&
+                          chunks.back().last - chunks.back().first < kMaxSegments;
+      if (!extend) chunks.push_back({r.file, r.src + b, 0, segments.size(), segments.size()});
+      Chunk& c = chunks.back();
+      const int64_t take = std::min(r.len - b, kChunkBytes - c.len);
+      segments.push_back({r.file, r.src + b, r.dst + b, take});
+      c.len += take;
+      c.last = segments.size();
+      b += take;
+    }
+  }
 }
 
 // paths: files the plan refers to by index. outs: contiguous CPU tensors written in place.
@@ -117,12 +231,13 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
              "] must be a contiguous CPU tensor, got ", outs[i].device(),
              outs[i].is_contiguous() ? "" : " (non-contiguous)");
   }
-  const at::Tensor rows = plan.contiguous();
-  const int64_t n = rows.size(0);
-  const int64_t* p = rows.data_ptr<int64_t>();
+  const at::Tensor plan_rows = plan.contiguous();
+  const int64_t n = plan_rows.size(0);
+  const int64_t* p = plan_rows.data_ptr<int64_t>();
 
-  // Validate every row before touching any byte, and cut long ranges into chunks.
-  std::vector<Chunk> chunks;
+  // Validate every row before touching any byte.
+  std::vector<Row> rows;
+  rows.reserve(n);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t file = p[i * kPlanCols], out = p[i * kPlanCols + 1];
@@ -137,13 +252,14 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
     const int64_t cap = static_cast<int64_t>(outs[out].nbytes());
     GE_CHECK(dst <= cap && len <= cap - dst, op, ": plan row ", i, " writes bytes [", dst, ", ",
              dst + len, ") of outs[", out, "], which has ", cap, " bytes");
-    uint8_t* base = static_cast<uint8_t*>(outs[out].data_ptr());
-    for (int64_t b = 0; b < len; b += kChunkBytes) {
-      chunks.push_back({file, base + dst + b, src + b, std::min(kChunkBytes, len - b)});
-    }
+    GE_CHECK(src <= INT64_MAX - len, op, ": plan row ", i, " ends past the largest file offset");
+    if (len > 0) rows.push_back({file, src, static_cast<uint8_t*>(outs[out].data_ptr()) + dst, len});
     total += len;
   }
-  if (chunks.empty()) return 0;
+  if (rows.empty()) return 0;
+  std::vector<Row> segments;
+  std::vector<Chunk> chunks;
+  make_chunks(rows, segments, chunks);
 
   for (const auto& out : outs) advise_huge_pages(out);
   const Files files(paths);
@@ -151,6 +267,15 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
   std::string error;
+  auto fail = [&](std::string why) noexcept {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!failed.exchange(true)) {
+      try {
+        error = std::move(why);
+      } catch (...) {  // no memory for the message: the flag alone still stops the call
+      }
+    }
+  };
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(chunks.size()));
   auto prefetch = [&](size_t i) {
     if (i >= chunks.size()) return;
@@ -159,25 +284,39 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   };
   const size_t ahead = kLookahead * static_cast<size_t>(workers);
   for (size_t i = 0; i < std::min(ahead, chunks.size()); ++i) prefetch(i);
-  auto work = [&] {
-    while (!failed.load(std::memory_order_relaxed)) {
-      const size_t i = next.fetch_add(1);
-      if (i >= chunks.size()) return;
-      prefetch(i + ahead);
-      const Chunk& c = chunks[i];
-      std::string why = pread_full(files.fd(c.file), c.dst, c.src, c.len);
-      if (!why.empty()) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!failed.exchange(true)) error = files.path(c.file) + ": " + why;
-        return;
+  // Runs on every worker thread and on the calling thread; nothing may escape it (an exception
+  // leaving a thread's function is std::terminate).
+  auto work = [&]() noexcept {
+    try {
+      static const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE", true);
+      bool madvise_works = true;
+      while (!failed.load(std::memory_order_relaxed)) {
+        const size_t i = next.fetch_add(1);
+        if (i >= chunks.size()) return;
+        prefetch(i + ahead);
+        const Chunk& c = chunks[i];
+        for (size_t s = c.first; populate_enabled && s < c.last; ++s) {
+          populate(segments[s].dst, segments[s].len, madvise_works);
+        }
+        std::string why = preadv_full(files.fd(c.file), c, segments);
+        if (!why.empty()) return fail(files.path(c.file) + ": " + why);
       }
+    } catch (const std::exception& e) {
+      fail(std::string("reader thread failed: ") + e.what());
+    } catch (...) {
+      fail("reader thread failed with an unknown error");
     }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(workers - 1);
-  for (int64_t t = 1; t < workers; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+  {
+    JoinAll pool(static_cast<size_t>(workers - 1));
+    try {
+      for (int64_t t = 1; t < workers; ++t) pool.start(work);
+    } catch (const std::exception& e) {  // e.g. EAGAIN: read with the threads that did start
+      TORCH_WARN_ONCE("grouped_ep.read_ranges: could not start all ", workers,
+                      " reader threads (", e.what(), "); reading with fewer");
+    }
+    work();
+  }  // every thread joined here
   GE_CHECK(!failed.load(), op, ": ", error);
   return total;
 }

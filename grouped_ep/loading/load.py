@@ -29,7 +29,7 @@ from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import KeyMap, resolve_pieces
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
-from grouped_ep.loading.read import Progress, read_direct, read_staged
+from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
@@ -152,10 +152,7 @@ def load_sharded(
     """
     t0 = time.perf_counter()
     if threads is None:
-        # Share the CPUs with the other ranks of this node (torchrun sets LOCAL_WORLD_SIZE):
-        # page-cache reads are memcpy-bound, and cold reads are kept busy by read-ahead hints.
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        threads = max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
+        threads = default_threads()
     if threads < 1:
         raise ValueError(f"load_sharded: threads must be >= 1, got {threads}")
     if device is None:

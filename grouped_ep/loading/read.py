@@ -3,6 +3,7 @@ a staging buffer for tensors that need a dtype cast or live on a GPU; a progress
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -14,6 +15,29 @@ from grouped_ep.loading.plan import Target, clip
 
 _CALL_BYTES = 1 << 30  # bytes per native call: the progress bar's granularity
 _STAGING_BYTES = 128 << 20  # cast / host-to-device staging (two buffers of half for CUDA)
+
+
+def default_threads() -> int:
+    """Reader threads per rank: the CPUs this process may run on, shared with the other ranks
+    of the host (`LOCAL_WORLD_SIZE`, set by torchrun), between 1 and 16. Hot reads are copies out
+    of the page cache, bound by the cores; cold reads keep the disk busy through read-ahead
+    hints (csrc/io/reader.cpp), not through more threads."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
+    try:
+        local_ranks = max(1, int(raw))
+    except ValueError:
+        raise ValueError(
+            f"load_sharded: LOCAL_WORLD_SIZE must be an integer, got {raw!r}"
+        ) from None
+    return max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
+
+
+def _file_order(target: Target) -> tuple[int, int]:
+    """(file, first byte) of the target's first range: targets are read in file order."""
+    if len(target.rows) == 0:
+        return (0, 0)
+    first = np.lexsort((target.rows[:, 1], target.rows[:, 0]))[0]
+    return (int(target.rows[first, 0]), int(target.rows[first, 1]))
 
 
 class Progress:
@@ -48,10 +72,11 @@ def _read(paths: list[str], outs: list[torch.Tensor], rows: np.ndarray, threads:
 
 
 def read_direct(targets, paths, threads, progress) -> int:
-    """Targets read as-is into fresh CPU tensors, in native calls of about 1 GiB each."""
+    """Targets read as-is into fresh CPU tensors, in file order, in native calls of about 1 GiB
+    each (the reader sorts each call's ranges by file offset and merges the ones that touch)."""
     batches: list[list[Target]] = [[]]
     size = 0
-    for target in targets:
+    for target in sorted(targets, key=_file_order):
         if size >= _CALL_BYTES:
             batches.append([])
             size = 0
@@ -81,7 +106,7 @@ def read_staged(targets, paths, threads, progress) -> int:
     # (target, first element, end element, byte offset in the buffer).
     fills: list[list[tuple[Target, int, int, int]]] = []
     fill, used = [], 0
-    for target in targets:
+    for target in sorted(targets, key=_file_order):
         target.fresh = torch.empty(
             target.local_shape, dtype=target.tensor.dtype, device=target.device
         )

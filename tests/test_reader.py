@@ -1,0 +1,98 @@
+"""The native reader `torch.ops.grouped_ep.read_ranges` (csrc/io/reader.cpp): rows in any order,
+ranges that touch in the file but land in different tensors (one preadv), ranges read twice,
+chunk and iovec limits, truncated files; and `load_sharded`'s default thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import grouped_ep  # noqa: F401  (loads the op library)
+from grouped_ep.loading.read import default_threads
+
+
+def _blob(tmp_path, n: int, seed: int = 0):
+    data = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    return str(path), data
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_adjacent_ranges_into_scattered_tensors_any_row_order(tmp_path, threads):
+    # 300 pieces of 70 KiB, contiguous in the file, each into its own tensor or into reversed
+    # slots of one tensor; rows given in shuffled order. The reader merges them into preadv
+    # chunks (more pieces than its iovec limit per chunk in the 1-byte case below).
+    path, data = _blob(tmp_path, 300 * 70_000)
+    outs = [torch.empty(70_000, dtype=torch.uint8) for _ in range(150)]
+    big = torch.empty(150 * 70_000, dtype=torch.uint8)
+    rows = []
+    for i in range(300):
+        if i < 150:
+            rows.append([0, i, i * 70_000, 0, 70_000])
+        else:
+            rows.append([0, 150, i * 70_000, (299 - i) * 70_000, 70_000])
+    order = np.random.default_rng(1).permutation(len(rows))
+    plan = torch.tensor([rows[i] for i in order])
+    assert torch.ops.grouped_ep.read_ranges([path], [*outs, big], plan, threads) == 300 * 70_000
+    for i in range(150):
+        assert torch.equal(outs[i], data[i * 70_000 : (i + 1) * 70_000]), i
+    for i in range(150, 300):
+        j = 299 - i
+        assert torch.equal(big[j * 70_000 : (j + 1) * 70_000], data[i * 70_000 : (i + 1) * 70_000])
+
+
+def test_many_one_byte_ranges_and_bytes_read_twice(tmp_path):
+    path, data = _blob(tmp_path, 5000, seed=2)
+    out = torch.zeros(5000 + 100, dtype=torch.uint8)
+    rows = [[0, 0, i, 4999 - i, 1] for i in range(5000)]  # 5000 one-byte iovecs, reversed
+    rows.append([0, 0, 10, 5000, 100])  # bytes 10..110 again, into the tail
+    got = torch.ops.grouped_ep.read_ranges([path], [out], torch.tensor(rows), 4)
+    assert got == 5100
+    assert torch.equal(out[:5000], data.flip(0)) and torch.equal(out[5000:], data[10:110])
+
+
+def test_two_files_interleaved_rows(tmp_path):
+    a, da = _blob(tmp_path, 3 << 20, seed=3)
+    (tmp_path / "b").write_bytes(da.flip(0).numpy().tobytes())
+    out = torch.empty(6 << 20, dtype=torch.uint8)
+    half = 3 << 19
+    plan = torch.tensor(
+        [
+            [1, 0, half, 3 * half, half],
+            [0, 0, 0, 0, half],
+            [1, 0, 0, 2 * half, half],
+            [0, 0, half, half, half],
+        ]
+    )
+    assert torch.ops.grouped_ep.read_ranges([a, str(tmp_path / "b")], [out], plan, 2) == 6 << 20
+    assert torch.equal(out[: 3 << 20], da) and torch.equal(out[3 << 20 :], da.flip(0))
+
+
+def test_truncated_file_names_file_and_offset_and_stops_every_thread(tmp_path):
+    path, _ = _blob(tmp_path, 40 << 20, seed=4)
+    with open(path, "r+b") as f:
+        f.truncate(30 << 20)
+    out = torch.empty(40 << 20, dtype=torch.uint8)
+    plan = torch.tensor([[0, 0, 0, 0, 40 << 20]])
+    with pytest.raises(
+        RuntimeError, match=r"blob: unexpected end of file at offset \d+ \(wanted \d+ more bytes"
+    ):
+        torch.ops.grouped_ep.read_ranges([path], [out], plan, 8)
+
+
+def test_default_threads_shares_cores_with_local_ranks(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert default_threads() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(128)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        default_threads()
