@@ -80,11 +80,6 @@ class Family:
     def name(self) -> str:
         return self.model_type
 
-    @property
-    def flags(self) -> dict[str, bool]:
-        """The decorator's flags, read from a built instance's attributes."""
-        return {}
-
 
 def _is_experts_class(cls: object) -> bool:
     forward = getattr(cls, "forward", None)
@@ -159,3 +154,35 @@ def build(family: Family, seed: int = 0) -> nn.Module:
             if name.endswith((".gate.weight", ".router.weight")) and p.dim() == 2:
                 p.normal_(0, 1.0)
     return model.eval()
+
+
+def family(name: str) -> Family:
+    """The family with this `model_type`."""
+    for f in families():
+        if f.name == name:
+            return f
+    raise KeyError(f"no transformers experts family {name!r}")
+
+
+@cache
+def build_error(name: str) -> str | None:
+    """None when the family's tiny model builds and runs an eager forward in transformers
+    itself, else the reason: transformers' own error, or no causal LM class to build."""
+    fam = family(name)
+    if fam.build_error:
+        return fam.build_error
+    try:
+        model = build(fam)
+        if not any(isinstance(m, fam.experts_class) for m in model.modules()):
+            return f"the tiny config builds no {fam.experts_class.__name__} layer"
+        model.set_experts_implementation("eager")
+        with torch.no_grad():
+            model(torch.randint(3, VOCAB, (1, 5)), use_cache=False)
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    return None
+
+
+def buildable() -> list[Family]:
+    """The families whose tiny model builds and runs in transformers (see `build_error`)."""
+    return [f for f in families() if build_error(f.name) is None]
