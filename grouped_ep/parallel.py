@@ -64,18 +64,21 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """A `GroupedExperts`, or a module with the same stacked layout (e.g. transformers v5's
-    `Qwen3MoeExperts`, `MixtralExperts`): an int `num_experts` and 3-D `gate_up_proj` and
-    `down_proj` parameters."""
+    """A `GroupedExperts`, or a module with the same stacked layout (transformers v5's
+    `@use_experts_implementation` classes: `Qwen3MoeExperts`, `GptOssExperts`, ...): an int
+    `num_experts`, a 3-D `gate_up_proj` (or `up_proj`, experts without a gate) and a 3-D
+    `down_proj` parameter. Per-expert biases `[E, N]` next to them are expert parameters too."""
     if isinstance(module, GroupedExperts):
         return True
     params = dict(module.named_parameters(recurse=False))
+    first = params.get("gate_up_proj", params.get("up_proj"))
+    down = params.get("down_proj")
     return (
         isinstance(getattr(module, "num_experts", None), int)
-        and "gate_up_proj" in params
-        and "down_proj" in params
-        and params["gate_up_proj"].dim() == 3
-        and params["down_proj"].dim() == 3
+        and first is not None
+        and down is not None
+        and first.dim() == 3
+        and down.dim() == 3
     )
 
 

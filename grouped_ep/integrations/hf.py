@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
@@ -31,6 +32,7 @@ from grouped_ep.parallel import experts_modules, fully_shard_moe
 
 __all__ = [
     "IMPLEMENTATION",
+    "check_supported",
     "grouped_ep_experts_forward",
     "init_nonpersistent_buffers",
     "parallelize",
@@ -41,21 +43,58 @@ __all__ = [
 IMPLEMENTATION = "grouped_ep"
 
 
-def _check_supported(experts: nn.Module) -> None:
-    unsupported = [
-        flag
-        for flag, bad in (
-            ("has_bias", getattr(experts, "has_bias", False)),
-            ("has_post_expert_norm", getattr(experts, "has_post_expert_norm", False)),
-            ("has_gate=False", not getattr(experts, "has_gate", True)),
-        )
-        if bad
-    ]
-    if unsupported:
+def _family(experts: nn.Module) -> str:
+    config = getattr(experts, "config", None)
+    return f"{getattr(config, 'model_type', '?')} ({type(experts).__name__})"
+
+
+def check_supported(experts: nn.Module) -> None:
+    """Raise `NotImplementedError` naming the family and the feature if the `"grouped_ep"`
+    forward cannot run this transformers experts module.
+
+    Supported: fused `gate_up_proj [E, 2I, H]` (or `up_proj [E, I, H]` without a gate) and
+    `down_proj`, either layout (`is_transposed`), per-expert biases (`*_bias [E, N]`), the
+    module's own `_apply_gate` (gpt-oss's interleaved, clamped SwiGLU), `post_expert_norm`."""
+    problems = []
+    if not isinstance(getattr(experts, "num_experts", None), int):
+        problems.append("no int num_experts")
+    has_gate = getattr(experts, "has_gate", True)
+    first = "gate_up_proj" if has_gate else "up_proj"
+    for name in (first, "down_proj"):
+        w = getattr(experts, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            problems.append(f"{name} is not a 3-D expert weight")
+        if getattr(experts, "has_bias", False):
+            b = getattr(experts, f"{name}_bias", None)
+            if not isinstance(b, torch.Tensor) or b.dim() != 2:
+                problems.append(f"has_bias without a 2-D {name}_bias")
+    if not has_gate and not callable(getattr(experts, "act_fn", None)):
+        problems.append("has_gate=False without act_fn")
+    if getattr(experts, "has_post_expert_norm", False) and not callable(
+        getattr(experts, "post_expert_norm", None)
+    ):
+        problems.append("has_post_expert_norm without a post_expert_norm module")
+    if problems:
         raise NotImplementedError(
-            f"experts_implementation='grouped_ep' does not support {type(experts).__name__} "
-            f"with {', '.join(unsupported)}; use 'grouped_mm' or 'eager' for this model"
+            f"experts_implementation='grouped_ep' does not support {_family(experts)}: "
+            f"{'; '.join(problems)}"
         )
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's experts of a per-expert bias (a DTensor `Shard(0)` under EP); gradients flow
+    back with the same placements."""
+    if isinstance(t, DTensor):
+        return t.to_local(grad_placements=t.placements)
+    return t
+
+
+def _bias_per_row(bias: Tensor, offs: Tensor, rows: int) -> Tensor:
+    """`[rows, N]`: the bias of each row's expert. bias: `[E_local, N]`, offs: `[E_local]`
+    cumulative. No host sync (`output_size` given)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    experts = torch.arange(offs.numel(), device=offs.device)
+    return bias[experts.repeat_interleave(counts, output_size=rows)]
 
 
 def grouped_ep_experts_forward(
@@ -64,21 +103,34 @@ def grouped_ep_experts_forward(
     """The `"grouped_ep"` experts forward for a transformers `@use_experts_implementation` class.
 
     Args:
-        self: the experts module (`gate_up_proj`, `down_proj`, `num_experts`, `_apply_gate`).
+        self: the experts module (`gate_up_proj` or `up_proj`, `down_proj`, `num_experts`,
+            optional `*_bias [E, N]`, `_apply_gate` or `act_fn`, `post_expert_norm`).
         hidden_states: `[T, H]`. top_k_index: `[T, k]` expert ids. top_k_weights: `[T, k]`.
 
     Returns:
         `[T, H]`. With EP (`parallelize`), tokens are dispatched to the experts' ranks with
         all-to-all; one host sync per layer for the split sizes.
     """
-    _check_supported(self)
+    check_supported(self)
     # transformers' "transposed" layout is [E, in, out]; the default one is nn.Linear's.
     trans_w = not getattr(self, "is_transposed", False)
+    has_gate = getattr(self, "has_gate", True)
+    has_bias = getattr(self, "has_bias", False)
+    first = "gate_up_proj" if has_gate else "up_proj"
+
+    def linear(x: Tensor, name: str, offs: Tensor) -> Tensor:
+        y = torch.ops.grouped_ep.gemm(x, getattr(self, name), offs, trans_w)
+        if has_bias:  # per group, outside the op; its gradient flows through the gather
+            y = y + _bias_per_row(_local(getattr(self, f"{name}_bias")), offs, x.shape[0])
+        return y
 
     def compute(x: Tensor, offs: Tensor) -> Tensor:
-        gemm = torch.ops.grouped_ep.gemm
-        gate_up = gemm(x.to(self.gate_up_proj.dtype), self.gate_up_proj, offs, trans_w)
-        return gemm(self._apply_gate(gate_up), self.down_proj, offs, trans_w)
+        h = linear(x.to(getattr(self, first).dtype), first, offs)
+        h = self._apply_gate(h) if has_gate else self.act_fn(h)
+        y = linear(h, "down_proj", offs)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        return y
 
     return routed_experts_forward(
         hidden_states,
@@ -122,7 +174,7 @@ def parallelize(
     if not experts:
         raise ValueError(f"parallelize: {type(model).__name__} has no MoE experts module")
     for module in experts:
-        _check_supported(module)
+        check_supported(module)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     for module in experts:

@@ -1,15 +1,22 @@
 """Checkpoint keys -> model tensors: which checkpoint tensors tile each model tensor.
 
 A layout is one way the checkpoint may hold a model tensor: a list of (key, offset, shape in the
-model's ndim, shape in the file). The first layout whose keys all exist wins. "auto" knows the
-fused experts of transformers v5 (`gate_up_proj`, `down_proj`) stored per expert or split; a
-user `key_map` (callable or mapping) names keys for anything else.
+model's ndim, shape in the file). The first layout whose keys all exist wins. "auto" tries, in order:
+the same name; for a transformers model, transformers' own checkpoint conversion (the
+weight-conversion mapping `from_pretrained` / `save_pretrained` use: Mixtral's
+`block_sparse_moe.experts.{i}.w1/w3/w2`, per-expert biases, ...), read off by running its
+reverse on coordinate probes (`converted_layout`); then generic per-expert or split keys of fused
+experts (`gate_up_proj`, `down_proj`) for other models. A user `key_map` (callable or mapping)
+names keys for anything else.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+
+import torch
 
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.plan import Piece
@@ -32,33 +39,81 @@ def _stacked(prefix: str, experts: int, names: Sequence[str], rows: int, cols: i
     ]
 
 
-def _auto_layouts(name: str, shape: tuple[int, ...]) -> list[Layout]:
+def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=None) -> list[Layout]:
     zero = (0,) * len(shape)
-    # Mixtral checkpoints say `block_sparse_moe` where transformers v5 modules say `mlp`.
-    aliases = list(dict.fromkeys([name, name.replace(".mlp.", ".block_sparse_moe.")]))
-    layouts = [[(a, zero, shape, shape)] for a in aliases]
+    layouts = [[(name, zero, shape, shape)]]
+    if name in ckpt:
+        return layouts
+    converted = converted_layout(model, name, shape) if model is not None else None
+    if converted:
+        layouts.append(converted)
     m = _EXPERT_PARAM.match(name)
     if m is None or len(shape) != 3 or shape[0] == 0:
         return layouts
     e, rows, cols = shape
     proj = m["proj"]
-    for prefix in dict.fromkeys(a[: -len(proj) - 1] for a in aliases):
-        if proj == "gate_up_proj" and rows % 2 == 0:
-            half = rows // 2
-            for gate, up in (("gate_proj", "up_proj"), ("w1", "w3")):
-                layouts.append(_stacked(prefix, e, [f"{gate}.weight", f"{up}.weight"], half, cols))
-            split = (e, half, cols)
-            layouts.append(
-                [
-                    (f"{prefix}.gate_proj", (0, 0, 0), split, split),
-                    (f"{prefix}.up_proj", (0, half, 0), split, split),
-                ]
-            )
-        if proj == "down_proj":
-            layouts.append(_stacked(prefix, e, ["w2.weight"], rows, cols))
-        layouts.append(_stacked(prefix, e, [f"{proj}.weight"], rows, cols))
-        layouts.append(_stacked(prefix, e, [proj], rows, cols))
+    prefix = m["prefix"]
+    if proj == "gate_up_proj" and rows % 2 == 0:
+        half = rows // 2
+        layouts.append(_stacked(prefix, e, ["gate_proj.weight", "up_proj.weight"], half, cols))
+        split = (e, half, cols)
+        layouts.append(
+            [
+                (f"{prefix}.gate_proj", (0, 0, 0), split, split),
+                (f"{prefix}.up_proj", (0, half, 0), split, split),
+            ]
+        )
+    layouts.append(_stacked(prefix, e, [f"{proj}.weight"], rows, cols))
+    layouts.append(_stacked(prefix, e, [proj], rows, cols))
     return layouts
+
+
+def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
+    """Where transformers' own save-time conversion puts the model tensor `name` on disk.
+
+    Runs `revert_weight_conversion` (what `save_pretrained` does) once per dim d on a probe that
+    holds, at every element, its coordinate on d (an expanded `arange`, no memory of the tensor's
+    size). Each checkpoint key it yields must be a box of the model tensor in row-major order
+    (a slice on each dim, size-1 dims squeezed or not); then the box is a layout piece. None:
+    not a transformers model, no conversion for `name`, or a conversion that is not a set of
+    boxes (e.g. a transpose), which `key_map=` must then name.
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel) or not shape or 0 in shape:
+        return None
+    nd = len(shape)
+    probes = []
+    for d in range(nd):
+        view = [1] * nd
+        view[d] = shape[d]
+        probe = torch.arange(shape[d], dtype=torch.int64).view(view).expand(shape)
+        try:
+            probes.append(revert_weight_conversion(model, {name: probe}))
+        except Exception:  # noqa: BLE001 (a conversion that cannot run on a probe)
+            return None
+    keys = list(probes[0])
+    if keys == [name] or any(list(p) != keys for p in probes):
+        return None
+    layout: Layout = []
+    for key in keys:
+        coords = [p[key] for p in probes]
+        file_shape = tuple(coords[0].shape)
+        lo = [int(c.min()) for c in coords]
+        box = tuple(int(c.max()) - lo[d] + 1 for d, c in enumerate(coords))
+        if math.prod(box) != math.prod(file_shape):
+            return None
+        for d, c in enumerate(coords):
+            view = [1] * nd
+            view[d] = box[d]
+            want = (lo[d] + torch.arange(box[d])).view(view).expand(box)
+            if not torch.equal(c.reshape(box), want):
+                return None
+        layout.append((key, tuple(lo), box, file_shape))
+    return layout
 
 
 def _user_layout(name: str, shape: tuple[int, ...], value: object, ckpt: Checkpoint) -> Layout:
@@ -111,9 +166,10 @@ def _check_layout(
 
 
 def resolve_pieces(
-    names: list[str], shape: tuple[int, ...], ckpt: Checkpoint, key_map
+    names: list[str], shape: tuple[int, ...], ckpt: Checkpoint, key_map, model=None
 ) -> list[Piece]:
-    """The checkpoint pieces that tile a model tensor (known by `names`), or [] if none."""
+    """The checkpoint pieces that tile a model tensor (known by `names`), or [] if none.
+    `model`: the model being loaded, for transformers' own conversion (see `converted_layout`)."""
     for name in names:
         value = None
         if callable(key_map):
@@ -127,7 +183,7 @@ def resolve_pieces(
         elif key_map is None:
             layouts = [[(name, (0,) * len(shape), shape, shape)]]
         else:
-            layouts = _auto_layouts(name, shape)
+            layouts = _auto_layouts(name, shape, ckpt, model)
         partial = None
         for layout in layouts:
             found = [key in ckpt for key, *_ in layout]

@@ -164,7 +164,9 @@ def load_sharded(
     used: set[str] = set()
     missing, todo = [], []
     for target in targets:
-        target.pieces = resolve_pieces(target.names, tuple(target.tensor.shape), ckpt, key_map)
+        target.pieces = resolve_pieces(
+            target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
+        )
         if not target.pieces:
             missing.append(target.name)
             continue
