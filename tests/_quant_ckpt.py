@@ -105,6 +105,7 @@ def _save(directory: Path, tensors: dict[str, torch.Tensor], qc: dict, files: in
 
 def write_fp8(
     directory: Path,
+    scale_dtype=torch.float32,
     e=4,
     h=72,
     i=40,
@@ -122,6 +123,10 @@ def write_fp8(
 
     def fp8(key: str, w: torch.Tensor) -> torch.Tensor:
         q, s = quantize_fp8(w, block)
+        if scale_dtype == torch.float8_e8m0fnu:  # UE8M0: powers of two, rounded up
+            s = torch.exp2(torch.ceil(torch.log2(s))).to(scale_dtype)
+        else:
+            s = s.to(scale_dtype)
         tensors[key], tensors[key[: -len("weight")] + "weight_scale_inv"] = q, s
         return ref_fp8(q, s, block, dtype)
 

@@ -71,6 +71,31 @@ def test_mxfp4_every_nibble_and_exponent_equals_transformers(dtype):
     _exact(out, want, "mxfp4")
 
 
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_device_path_arithmetic_equals_transformers(kind):
+    """dequantize_torch is what CUDA destinations run; here it runs on CPU tensors."""
+    from grouped_ep.loading.dequant import dequantize_torch, e8m0_to_float
+
+    if kind == "fp8":
+        q = torch.arange(256, dtype=torch.uint8).repeat(4).view(16, 64)
+        s = torch.rand(4, 2) * 10
+        want = ref_fp8(q.view(torch.float8_e4m3fn), s, (4, 32), torch.bfloat16)[None]
+        args = (q[None], s[None], torch.arange(16) // 4, torch.arange(64) // 32)
+    else:
+        blocks = torch.arange(256, dtype=torch.uint8).view(1, 256, 1, 1).expand(1, 256, 1, 16)
+        scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1)
+        want = ref_mxfp4(blocks.contiguous(), scales, torch.bfloat16)
+        args = (
+            blocks.reshape(1, 256, 16),
+            e8m0_to_float(scales),
+            torch.arange(256),
+            torch.zeros(32, dtype=torch.long),
+        )
+    out = torch.empty(want.shape, dtype=torch.bfloat16)
+    dequantize_torch(*args, kind, out)
+    _exact(out, want, kind)
+
+
 def test_dequantize_op_rejects_bad_arguments():
     out = torch.empty(1, 4, 4, dtype=torch.bfloat16)
     q = torch.zeros(1, 4, 4, dtype=torch.uint8)
@@ -109,6 +134,27 @@ def test_fp8_checkpoint_equals_transformers(tmp_path, shape, dtype):
     assert report.bytes_owned == fp8 + plain
     assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
     assert report.unused_keys == [] and report.missing == []
+
+
+@pytest.mark.parametrize(
+    "scale_dtype", [torch.bfloat16, torch.float8_e8m0fnu], ids=["bf16", "ue8m0"]
+)
+def test_fp8_scale_dtypes(tmp_path, scale_dtype):
+    want, tensors = write_fp8(tmp_path, scale_dtype=scale_dtype, e=2, h=64, i=32, r=48)
+    assert tensors["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"].dtype == scale_dtype
+    model = meta_model("fp8", e=2, h=64, i=32, r=48)
+    load_sharded(model, tmp_path)
+    got = _state(model)
+    for k in want:
+        _exact(got[k], want[k], k)
+
+
+def test_fp8_e5m2_weights_are_refused(tmp_path):
+    _, tensors = write_fp8(tmp_path)
+    key = "model.layers.0.self_attn.q_a_proj.weight"
+    file = _rewrite(tmp_path, key, tensors[key].to(torch.float8_e5m2))
+    with pytest.raises(LoadError, match=rf"{file}: '{key}' is torch.float8_e5m2"):
+        load_sharded(meta_model("fp8"), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

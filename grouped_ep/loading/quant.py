@@ -152,6 +152,11 @@ def _scale_entry(cfg: QuantConfig, piece: Piece, ckpt: Checkpoint) -> tuple[Tens
         want = entry.shape[:-1]
         want_dtype: tuple = (torch.uint8,)
     else:
+        if entry.dtype != torch.float8_e4m3fn:
+            raise LoadError(
+                f"{entry.path}: {key!r} is {entry.dtype}; block-FP8 dequantization reads "
+                "float8_e4m3fn weights only"
+            )
         skey = fp8_scale_key(key)
         r, c = entry.shape[-2:]
         want = entry.shape[:-2] + (-(-r // cfg.block[0]), -(-c // cfg.block[1]))
