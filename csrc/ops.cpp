@@ -29,6 +29,7 @@ TORCH_LIBRARY(grouped_ep, m) {
   // Dequantization (csrc/io/dequant.cpp): out[a, i, j] = value(q[a, i, j]) *
   // scale[a, row_block[i], col_block[j]] in fp32, rounded once to out's dtype. q: uint8
   // [A, R, C] float8_e4m3fn bytes (format "fp8") or [A, R, C/2] FP4 pairs ("mxfp4"); scale:
-  // float32 [A, SR, SC]; row_block: int64 [R]; col_block: int64 [C]; out: [A, R, C], any strides.
-  m.def("dequantize(Tensor q, Tensor scale, Tensor row_block, Tensor col_block, Tensor(a!) out, str format) -> ()");
+  // float32 [A, SR, SC]; row_block: int64 [R]; col_block: int64 [C]; out: [A, R, C], any strides;
+  // rows spread over `threads` threads.
+  m.def("dequantize(Tensor q, Tensor scale, Tensor row_block, Tensor col_block, Tensor(a!) out, str format, int threads=1) -> ()");
 }

@@ -4,15 +4,18 @@
 // out[a, i, j] = value(q, a, i, j) * scale[a, row_block[i], col_block[j]], computed in fp32 and
 // rounded once to out's dtype (round to nearest even), as transformers does. value is a
 // float8_e4m3fn byte ("fp8") or an FP4 E2M1 nibble ("mxfp4": two per byte, the low nibble first),
-// both through a lookup table of their exact fp32 values. Rows are spread over threads with
-// at::parallel_for; out may be any strided view (a box of the destination tensor).
+// both through a lookup table of their exact fp32 values. Rows are spread over `threads`
+// std::threads (load_sharded's own count, not torch's intra-op setting, which launchers often
+// set to 1 per rank); out may be any strided view (a box of the destination tensor).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <array>
+#include <algorithm>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "checks.h"
 
@@ -35,7 +38,7 @@ const std::array<float, 256>& fp8_table() {
 
 template <typename T, bool kFp4Packed>
 void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const int64_t* cb,
-         at::Tensor& out) {
+         at::Tensor& out, int64_t threads) {
   const int64_t A = out.size(0), R = out.size(1), C = out.size(2);
   const auto qs = q.strides();
   const auto os = out.strides();
@@ -44,7 +47,7 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
   const int64_t SR = scale.size(1), SC = scale.size(2);
   T* op = out.data_ptr<T>();
   const float* fp8 = fp8_table().data();
-  at::parallel_for(0, A * R, 16, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     for (int64_t ar = begin; ar < end; ++ar) {
       const int64_t a = ar / R, i = ar % R;
       const uint8_t* qrow = qp + a * qs[0] + i * qs[1];
@@ -61,13 +64,25 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
         orow[j * os[2]] = static_cast<T>(v * srow[cb[j]]);
       }
     }
-  });
+  };
+  // At least 64 Ki values per thread: below that, starting a thread costs more than it saves.
+  const int64_t rows = A * R;
+  const int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>({threads, rows, (rows * C) / (64 << 10)}));
+  const int64_t per = (rows + workers - 1) / workers;
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) {
+    pool.emplace_back(work, w * per, std::min(rows, (w + 1) * per));
+  }
+  work(0, std::min(rows, per));
+  for (auto& t : pool) t.join();
 }
 
 // q: uint8 [A, R, C] (fp8 bytes) or [A, R, C/2] (mxfp4); scale: float32 [A, SR, SC] contiguous;
 // row_block: int64 [R] in [0, SR); col_block: int64 [C] in [0, SC); out: [A, R, C] bf16/fp16/fp32.
 void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& row_block,
-                    const at::Tensor& col_block, at::Tensor out, c10::string_view format) {
+                    const at::Tensor& col_block, at::Tensor out, c10::string_view format,
+                    int64_t threads) {
   constexpr const char* op = "dequantize";
   const bool fp4 = format == "mxfp4";
   GE_CHECK(fp4 || format == "fp8", op, ": format must be 'fp8' or 'mxfp4', got '",
@@ -93,6 +108,7 @@ void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tens
            row_block.size(0), " entries and col_block ", col_block.size(0), "; out has ", R,
            " rows and ", C, " columns");
   GE_CHECK(out.device().is_cpu(), op, ": out must be a CPU tensor, got ", out.device());
+  GE_CHECK(threads >= 1, op, ": threads must be >= 1, got ", threads);
   const int64_t* rb = row_block.data_ptr<int64_t>();
   const int64_t* cb = col_block.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i) {
@@ -107,7 +123,7 @@ void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tens
   switch (out.scalar_type()) {
 #define GE_DEQUANT_CASE(ST, T)                                          \
   case at::ST:                                                          \
-    fp4 ? run<T, true>(q, scale, rb, cb, out) : run<T, false>(q, scale, rb, cb, out); \
+    fp4 ? run<T, true>(q, scale, rb, cb, out, threads) : run<T, false>(q, scale, rb, cb, out, threads); \
     break;
     GE_DEQUANT_CASE(kFloat, float)
     GE_DEQUANT_CASE(kBFloat16, at::BFloat16)

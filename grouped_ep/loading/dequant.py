@@ -2,7 +2,7 @@
 
 Per target, one native `read_ranges` call fills two CPU buffers, the quantized bytes this rank
 owns and the scale blocks that cover them; then each piece is dequantized into its box of the
-fresh tensor: by `torch.ops.grouped_ep.dequantize` (csrc/io/dequant.cpp, multi-threaded) on CPU
+fresh tensor: by `torch.ops.grouped_ep.dequantize` (csrc/io/dequant.cpp, `threads` threads) on CPU
 destinations, by the same arithmetic in torch ops on the device after the copy on GPU ones.
 Both compute float(value) * float(scale) in fp32 and round once to the model's dtype, as
 transformers' Fp8Dequantize and convert_moe_packed_tensors do.
@@ -110,5 +110,5 @@ def read_quantized(targets: list[Target], paths, threads: int, progress) -> tupl
                 s, rb, cb = (x.to(target.device) for x in (s, rb, cb))
                 dequantize_torch(q, s, rb, cb, plan.method, out)
             else:
-                torch.ops.grouped_ep.dequantize(q, s, rb, cb, out, plan.method)
+                torch.ops.grouped_ep.dequantize(q, s, rb, cb, out, plan.method, threads)
     return qbytes, sbytes
