@@ -4,7 +4,7 @@
 // out[a, i, j] = value(q, a, i, j) * scale[a, row_block[i], col_block[j]], computed in fp32 and
 // rounded once to out's dtype (round to nearest even), as transformers does. value is a
 // float8_e4m3fn byte ("fp8") or an FP4 E2M1 nibble ("mxfp4": two per byte, the low nibble first),
-// both through a lookup table of their exact fp32 values. Rows are spread over `threads`
+// both through tables of the rounded products (see run()). Rows are spread over `threads`
 // std::threads (load_sharded's own count, not torch's intra-op setting, which launchers often
 // set to 1 per rank); out may be any strided view (a box of the destination tensor).
 #include <ATen/ATen.h>
@@ -46,22 +46,37 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
   const float* sp = scale.data_ptr<float>();
   const int64_t SR = scale.size(1), SC = scale.size(2);
   T* op = out.data_ptr<T>();
-  const float* fp8 = fp8_table().data();
+  const float* codes = kFp4Packed ? kFp4.data() : fp8_table().data();
+  constexpr int64_t kCodes = kFp4Packed ? 16 : 256;
+  // The output value of every code under every scale of one scale row, rounded once: the inner
+  // loop is then a table lookup. Rows of one block share a scale row (DeepSeek-V3: 128 rows), so
+  // a table is rebuilt once per block row (256 products per 128 x 128 values).
   auto work = [&](int64_t begin, int64_t end) {
+    std::vector<T> table(static_cast<size_t>(SC * kCodes));
+    int64_t table_row = -1;
     for (int64_t ar = begin; ar < end; ++ar) {
       const int64_t a = ar / R, i = ar % R;
-      const uint8_t* qrow = qp + a * qs[0] + i * qs[1];
-      const float* srow = sp + (a * SR + rb[i]) * SC;
-      T* orow = op + a * os[0] + i * os[1];
-      for (int64_t j = 0; j < C; ++j) {
-        float v;
-        if constexpr (kFp4Packed) {
-          const uint8_t byte = qrow[(j >> 1) * qs[2]];
-          v = kFp4[(j & 1) ? (byte >> 4) : (byte & 0xF)];
-        } else {
-          v = fp8[qrow[j * qs[2]]];
+      const int64_t scale_row = a * SR + rb[i];
+      if (scale_row != table_row) {
+        const float* srow = sp + scale_row * SC;
+        for (int64_t c = 0; c < SC; ++c) {
+          for (int64_t k = 0; k < kCodes; ++k) {
+            table[c * kCodes + k] = static_cast<T>(codes[k] * srow[c]);
+          }
         }
-        orow[j * os[2]] = static_cast<T>(v * srow[cb[j]]);
+        table_row = scale_row;
+      }
+      const T* t = table.data();
+      const uint8_t* qrow = qp + a * qs[0] + i * qs[1];
+      T* orow = op + a * os[0] + i * os[1];
+      if constexpr (kFp4Packed) {
+        for (int64_t j = 0; j < C; j += 2) {
+          const uint8_t byte = qrow[(j >> 1) * qs[2]];
+          orow[j * os[2]] = t[cb[j] * kCodes + (byte & 0xF)];
+          orow[(j + 1) * os[2]] = t[cb[j + 1] * kCodes + (byte >> 4)];
+        }
+      } else {
+        for (int64_t j = 0; j < C; ++j) orow[j * os[2]] = t[cb[j] * kCodes + qrow[j * qs[2]]];
       }
     }
   };
