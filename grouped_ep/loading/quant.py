@@ -186,9 +186,10 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
         scale = fp8_scale_key(e.key) if e.dtype in FP8_DTYPES else e.key[:-7] + "_scales"
         if cfg is None and scale not in ckpt:
             return False  # an fp8 checkpoint without scales: a plain cast, as for bf16
+        said = "no config.json quantization_config says so" if cfg is None else ""
+        said = said or f"{cfg.source} says quant_method {cfg.method!r}"
         raise LoadError(
-            f"{e.path}: {e.key!r} is quantized ({e.dtype}, scales {scale!r}) but "
-            f"{'no config.json quantization_config says so' if cfg is None else cfg.source + ' says ' + cfg.method}"
+            f"{e.path}: {e.key!r} is quantized ({e.dtype}, scales {scale!r}) but {said}"
         )
     if len(quant) != len(target.pieces):
         raise LoadError(f"{target.name}: checkpoint tensors mix quantized and plain dtypes")
@@ -270,9 +271,11 @@ def plan_quant(
         rows_b, cols_b = rels[-2] // br, rels[-1] // bc
         ublock_r, ublock_c = np.unique(rows_b), np.unique(cols_b)
         sgshape = piece.shape[:-2] + tuple(scale.shape[-2:])
-        s_owned = [r for r in rels[:-2]] + [ublock_r, ublock_c]
+        # The scale tensor in the piece's own coordinates: the same leading dims (a per-expert
+        # key's size-1 expert dim holds no bytes), then the blocks covering this rank's rows and
+        # columns, each once.
+        s_owned = list(rels[:-2]) + [ublock_r, ublock_c]
         s_piece = Piece(scale, (0,) * nd, sgshape)
-        # piece_ranges wants the file tensor's shape in the model's ndim: pad leading dims.
         add(scale, 1, piece_ranges(s_owned, sgshape, s_piece), scale_at)
         lead = int(np.prod([len(r) for r in rels[:-2]], dtype=np.int64))
         sshape = (lead, len(ublock_r), len(ublock_c))
