@@ -14,6 +14,7 @@
 #include <array>
 #include <algorithm>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -87,7 +88,12 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
   const int64_t per = (rows + workers - 1) / workers;
   std::vector<std::thread> pool;
   for (int64_t w = 1; w < workers; ++w) {
-    pool.emplace_back(work, w * per, std::min(rows, (w + 1) * per));
+    const int64_t begin = w * per, end = std::min(rows, (w + 1) * per);
+    try {
+      pool.emplace_back(work, begin, end);
+    } catch (const std::system_error&) {  // no thread to be had (a loaded machine): do it here
+      work(begin, end);
+    }
   }
   work(0, std::min(rows, per));
   for (auto& t : pool) t.join();
