@@ -46,7 +46,12 @@ class QuantConfig:
 
 
 def read_quant_config(ckpt: Checkpoint) -> QuantConfig | None:
-    """The `quantization_config` of the `config.json` next to the checkpoint, or None."""
+    """The `quantization_config` of the `config.json` next to the checkpoint, or None.
+
+    Read only when the checkpoint holds a tensor that no plain float model tensor is loaded from
+    as is (fp8, integer, uint8): a bf16 / fp16 / fp32 checkpoint costs no extra read."""
+    if all(e.dtype.is_floating_point and e.dtype.itemsize >= 2 for e in ckpt.entries.values()):
+        return None
     root = Path(ckpt.root)
     path = (root if root.is_dir() else root.parent) / "config.json"
     if not path.is_file():
