@@ -31,4 +31,10 @@ TORCH_LIBRARY(grouped_ep, m) {
   // src_offset, dst_offset, length): file bytes [src_offset, src_offset + length) are written at
   // byte dst_offset of outs[out]. Returns the number of bytes read.
   m.def("read_ranges(str[] paths, Tensor(a!)[] outs, Tensor plan, int threads=8) -> int");
+  // Dequantization (csrc/io/dequant.cpp): out[a, i, j] = value(q[a, i, j]) *
+  // scale[a, row_block[i], col_block[j]] in fp32, rounded once to out's dtype. q: uint8
+  // [A, R, C] float8_e4m3fn bytes (format "fp8") or [A, R, C/2] FP4 pairs ("mxfp4"); scale:
+  // float32 [A, SR, SC]; row_block: int64 [R]; col_block: int64 [C]; out: [A, R, C], any strides;
+  // rows spread over `threads` threads.
+  m.def("dequantize(Tensor q, Tensor scale, Tensor row_block, Tensor col_block, Tensor(a!) out, str format, int threads=1) -> ()");
 }

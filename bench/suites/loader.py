@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from suites.loader_quant import quant_rows
+
 TITLE = "sharded safetensors loading (GB/s of owned bytes; *_x = grouped_ep speed / baseline)"
 METHODS = ("grouped_ep", "get_slice", "read_whole")
 
@@ -403,6 +405,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
     )
     tmp = Path(tempfile.mkdtemp(prefix="grouped_ep_loader_bench_"))
     rows = []
+    bf16_speed: dict[int, float] = {}
     try:
         t0 = time.perf_counter()
         total = write_checkpoint(tmp, spec)
@@ -474,6 +477,8 @@ def run(device: str, quick: bool, log) -> list[dict]:
                         f"{ratio:.3f}  rss +{row['rss_growth_mib']:.0f} MiB (local "
                         f"{row['local_mib']:.0f} MiB)  resident {resident:.2f}  ({t_run:.1f} s)"
                     )
+                if cache == "hot":
+                    bf16_speed[world] = speed["grouped_ep"]
                 for row in rows[-len(METHODS) :]:
                     if row["case"].startswith("grouped_ep"):
                         row["vs_get_slice_x"] = speed["grouped_ep"] / speed["get_slice"]
@@ -482,6 +487,8 @@ def run(device: str, quick: bool, log) -> list[dict]:
                         row["same_data"] = (
                             digests["grouped_ep"] == digests["get_slice"] == digests["read_whole"]
                         )
+        # Quantized copies of the same checkpoint, dequantized on read (bench/suites/loader_quant.py).
+        rows += quant_rows(ctx, spec, tmp, dev, reps, bf16_speed, _run_ranks, warm, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows

@@ -26,9 +26,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from grouped_ep.loading.buffers import fresh_buffers
+from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import KeyMap, resolve_pieces
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
+from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
 
@@ -40,8 +42,11 @@ class LoadReport:
     """What one rank's `load_sharded` did.
 
     bytes_read: bytes this rank read from checkpoint files (data only, headers excluded).
-    bytes_owned: bytes of this rank's local shards, in the checkpoint's dtypes. Equal to
-        bytes_read when nothing is read twice or read for another rank.
+    bytes_owned: bytes of this rank's local shards, in the checkpoint's dtypes (quantized
+        tensors: their quantized bytes). bytes_read = bytes_owned + scale_bytes_read when
+        nothing is read twice or read for another rank.
+    quantized_bytes_read: of bytes_read, the quantized values (fp8 bytes, packed FP4 pairs).
+    scale_bytes_read: of bytes_read, the scale blocks covering them (each block read once).
     files_opened: files this rank read data from (every header is parsed: `headers_parsed`).
     unused_keys: checkpoint keys no model tensor maps to. Keys of experts or rows owned by
         other ranks are used, just not read here.
@@ -57,6 +62,8 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     tensors_loaded: int = 0
     headers_parsed: int = 0
+    quantized_bytes_read: int = 0
+    scale_bytes_read: int = 0
 
 
 def _targets(model: nn.Module) -> list[Target]:
@@ -117,6 +124,7 @@ def load_sharded(
     threads: int | None = None,
     progress: bool | None = None,
     strict: bool = True,
+    dequantize: bool = True,
 ) -> LoadReport:
     """Load this rank's shard of every parameter and persistent buffer from safetensors files.
 
@@ -142,6 +150,11 @@ def load_sharded(
         progress: a progress bar on stderr: None shows it on a TTY only.
         strict: a parameter or persistent buffer of a meta model with no checkpoint key is an
             error naming the keys (else it stays on meta and is listed in `report.missing`).
+        dequantize: when `config.json` next to the checkpoint has a `quantization_config`
+            (quant_method "fp8" with `weight_block_size`, DeepSeek-V3; or "mxfp4", gpt-oss),
+            quantized tensors are read with the scale blocks covering this rank's part and
+            dequantized into the model's dtype (bf16, fp16 or fp32), equal to transformers'
+            own dequantization. False: a quantized checkpoint is a `LoadError`.
 
     After the load, non-persistent buffers still on meta (rotary `inv_freq`, whose values no
     checkpoint holds) are recomputed on `device` from their modules' own initialization, so the
@@ -158,19 +171,31 @@ def load_sharded(
     if device is None:
         device = default_device(model)
     ckpt = open_checkpoint(checkpoint)
+    quant_cfg = read_quant_config(ckpt)
+    if quant_cfg is not None and not dequantize:
+        raise LoadError(
+            f"{quant_cfg.source}: the checkpoint is quantized (quant_method "
+            f"{quant_cfg.method!r}) and load_sharded was called with dequantize=False"
+        )
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
     targets = _targets(model)
     used: set[str] = set()
-    missing, todo = [], []
+    missing, todo, quantized = [], [], []
     for target in targets:
-        target.pieces = resolve_pieces(
-            target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
-        )
+        shape = tuple(target.tensor.shape)
+        target.pieces = resolve_pieces(target.names, shape, ckpt, key_map, model=model)
+        if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
+            target.pieces = mxfp4_pieces(target.names, shape, ckpt)
         if not target.pieces:
             missing.append(target.name)
             continue
         used.update(p.entry.key for p in target.pieces)
+        if is_quantized(quant_cfg, target, ckpt):
+            plan_quant(target, quant_cfg, ckpt, file_ids, device)
+            used.update(qp.scale.key for qp in target.quant.pieces)
+            quantized.append(target)
+            continue
         plan_target(target, file_ids, device)
         todo.append(target)
     left_on_meta = [t.name for t in targets if not t.pieces and t.tensor.is_meta]
@@ -185,16 +210,20 @@ def load_sharded(
 
     direct = [t for t in todo if t.device.type == "cpu" and t.read_dtype == t.tensor.dtype]
     staged = [t for t in todo if not (t.device.type == "cpu" and t.read_dtype == t.tensor.dtype)]
-    bar = Progress(sum(t.read_bytes for t in todo), progress)
+    quant_bytes = sum(int(t.quant.rows[:, 4].sum()) for t in quantized)
+    bar = Progress(sum(t.read_bytes for t in todo) + quant_bytes, progress)
     try:
         nread = read_direct(direct, paths, threads, bar)
         nread += read_staged(staged, paths, threads, bar)
+        qbytes, sbytes = read_quantized(quantized, paths, threads, bar)
+        nread += qbytes + sbytes
     except BaseException:
-        for t in todo:
+        for t in todo + quantized:
             t.fresh = None
         raise
     finally:
         bar.close()
+    todo += quantized
     for target in todo:
         _swap(target)
         target.fresh = None
@@ -204,7 +233,7 @@ def load_sharded(
     seconds = time.perf_counter() - t0
     return LoadReport(
         bytes_read=nread,
-        bytes_owned=sum(t.read_bytes for t in todo),
+        bytes_owned=sum(t.quant.data_bytes if t.quant else t.read_bytes for t in todo),
         files_opened=len(files_read),
         seconds=seconds,
         gbps=nread / seconds / 1e9 if seconds > 0 else 0.0,
@@ -212,4 +241,6 @@ def load_sharded(
         missing=missing,
         tensors_loaded=len(todo),
         headers_parsed=len(paths),
+        quantized_bytes_read=qbytes,
+        scale_bytes_read=sbytes,
     )

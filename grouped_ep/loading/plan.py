@@ -202,6 +202,7 @@ class Target:
     device: torch.device | None = None
     rows: np.ndarray | None = None  # [N, 4] (file, src, dst, length) bytes
     fresh: torch.Tensor | None = None
+    quant: object = None  # a quant.QuantPlan when the pieces are quantized
 
     @property
     def name(self) -> str:

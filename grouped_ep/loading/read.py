@@ -61,7 +61,7 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _read(paths: list[str], outs: list[torch.Tensor], rows: np.ndarray, threads: int) -> int:
+def read_ranges(paths: list[str], outs: list[torch.Tensor], rows: np.ndarray, threads: int) -> int:
     """One native call: rows [N, 5] = (file, out, src, dst, length)."""
     if len(rows) == 0:
         return 0
@@ -88,7 +88,7 @@ def read_direct(targets, paths, threads, progress) -> int:
         for j, target in enumerate(batch):
             target.fresh = torch.empty(target.local_shape, dtype=target.read_dtype)
             rows.append(np.insert(target.rows, 1, j, axis=1))
-        n = _read(paths, [t.fresh for t in batch], np.concatenate(rows), threads)
+        n = read_ranges(paths, [t.fresh for t in batch], np.concatenate(rows), threads)
         total += n
         progress.add(n)
     return total
@@ -135,7 +135,7 @@ def read_staged(targets, paths, threads, progress) -> int:
             r = clip(target.rows, b * item, e * item)
             r[:, 2] += off
             rows.append(np.insert(r, 1, 0, axis=1))
-        n = _read(paths, [buf], np.concatenate(rows), threads)
+        n = read_ranges(paths, [buf], np.concatenate(rows), threads)
         total += n
         progress.add(n)
         for target, b, e, off in fill:

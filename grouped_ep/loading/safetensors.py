@@ -39,6 +39,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # DeepSeek-V3.1-style UE8M0 scales
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,322 @@
+"""Quantized checkpoints: which formats, which scale goes with which weight, and which quantized
+bytes and scale blocks this rank reads. No I/O beyond `config.json`.
+
+Two formats, both as transformers reads them:
+
+- "fp8" (DeepSeek-V3): a `float8_e4m3fn` weight `[..., R, C]` and a sibling `weight_scale_inv`
+  `[..., ceil(R / br), ceil(C / bc)]` (float32, bfloat16 or float8_e8m0fnu) for
+  `weight_block_size: [br, bc]`; value = float(q) * float(scale of its block).
+- "mxfp4" (gpt-oss): `{name}_blocks` uint8 `[..., R, G, 16]` (two FP4 E2M1 values per byte, the low
+  nibble first) and `{name}_scales` uint8 `[..., R, G]` (E8M0 exponents, one per 32 values) for a
+  model tensor `{name}` `[..., R, 32 G]`; value = fp4 * 2^(scale - 127).
+
+Planning turns each quantized checkpoint tensor into a `QuantPiece`: the quantized bytes this
+rank owns (read like any other tensor, one byte per fp8 value or per FP4 pair) and the scale
+blocks that cover them, each read once even where a shard boundary cuts through a block.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grouped_ep.loading.errors import LoadError
+from grouped_ep.loading.plan import Piece, Target, coalesce, owned_indices, piece_ranges
+from grouped_ep.loading.safetensors import Checkpoint, TensorEntry
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16) + (
+    (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MXFP4_BLOCK = 32  # values per E8M0 scale
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's `quantization_config`: method "fp8" (with `block`) or "mxfp4"."""
+
+    method: str
+    block: tuple[int, int]
+    source: str  # the config.json it came from, for messages
+
+
+def read_quant_config(ckpt: Checkpoint) -> QuantConfig | None:
+    """The `quantization_config` of the `config.json` next to the checkpoint, or None.
+
+    Read only when the checkpoint holds a tensor that no plain float model tensor is loaded from
+    as is (fp8, integer, uint8): a bf16 / fp16 / fp32 checkpoint costs no extra read."""
+    if all(e.dtype.is_floating_point and e.dtype.itemsize >= 2 for e in ckpt.entries.values()):
+        return None
+    root = Path(ckpt.root)
+    path = (root if root.is_dir() else root.parent) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LoadError(f"{path}: cannot read config.json: {e}") from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise LoadError(f"{path}: 'quantization_config' must be an object, got {qc!r:.80}")
+    method = qc.get("quant_method")
+    if method == "mxfp4":
+        return QuantConfig("mxfp4", (1, MXFP4_BLOCK), str(path))
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if (
+            not isinstance(block, list)
+            or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):
+            raise LoadError(
+                f"{path}: quantization_config.weight_block_size must be [rows, cols] positive "
+                f"ints for quant_method 'fp8' (per-tensor FP8 is not supported), got {block!r}"
+            )
+        return QuantConfig("fp8", (block[0], block[1]), str(path))
+    raise LoadError(
+        f"{path}: unknown quantization_config.quant_method {method!r} (known: 'fp8', 'mxfp4')"
+    )
+
+
+def fp8_scale_key(key: str) -> str:
+    """DeepSeek-V3's name for the scales of `key` (transformers' rule)."""
+    return (
+        key[: -len("weight")] + "weight_scale_inv"
+        if key.endswith(".weight")
+        else key + "_scale_inv"
+    )
+
+
+def mxfp4_pieces(names: list[str], shape: tuple[int, ...], ckpt: Checkpoint) -> list[Piece]:
+    """A model tensor stored as `{name}_blocks` / `{name}_scales`: one piece, in the dequantized
+    shape `[..., R, 32 G]`, whose entry is the blocks tensor. [] if there are no such keys."""
+    for name in names:
+        blocks = f"{name}_blocks"
+        if blocks not in ckpt:
+            continue
+        entry = ckpt[blocks]
+        if entry.dtype != torch.uint8 or len(entry.shape) < 3 or entry.shape[-1] != 16:
+            raise LoadError(
+                f"{entry.path}: {blocks!r} must be uint8 [..., R, G, 16] (MXFP4 blocks), got "
+                f"{entry.dtype} {list(entry.shape)}"
+            )
+        logical = entry.shape[:-2] + (entry.shape[-2] * MXFP4_BLOCK,)
+        if logical != shape:
+            raise LoadError(
+                f"{entry.path}: shape mismatch for {blocks!r}: it dequantizes to {list(logical)}, "
+                f"model tensor {name!r} is {list(shape)}"
+            )
+        return [Piece(entry, (0,) * len(shape), shape)]
+    return []
+
+
+@dataclass
+class QuantPiece:
+    """One quantized checkpoint tensor's part in this rank's shard.
+
+    box: per dim, the slice of the local tensor it fills. scale: the scale tensor's entry;
+    scale_at/scale_shape: where its covering blocks land in the target's scale buffer (bytes)
+    and their shape `[A, SR, SC]`; row_block/col_block: for each local row/column of the box,
+    the index of its block in that buffer.
+    """
+
+    piece: Piece
+    scale: TensorEntry
+    box: tuple[slice, ...]
+    scale_at: int
+    scale_shape: tuple[int, int, int]
+    row_block: np.ndarray
+    col_block: np.ndarray
+
+
+@dataclass
+class QuantPlan:
+    """What a quantized target reads: `rows` [N, 5] (file, out, src, dst, length) with out 0 the
+    quantized bytes (`data_shape`, uint8) and out 1 the scale bytes (`scale_bytes`)."""
+
+    method: str
+    pieces: list[QuantPiece]
+    data_shape: tuple[int, ...]
+    scale_bytes: int
+    rows: np.ndarray
+    data_bytes: int
+
+
+def _scale_entry(cfg: QuantConfig, piece: Piece, ckpt: Checkpoint) -> tuple[TensorEntry, tuple]:
+    """The scale tensor of a quantized piece, checked to cover it; and its block size."""
+    key, entry = piece.entry.key, piece.entry
+    if cfg.method == "mxfp4":
+        skey = key[: -len("_blocks")] + "_scales"
+        want = entry.shape[:-1]
+        want_dtype: tuple = (torch.uint8,)
+    else:
+        if entry.dtype != torch.float8_e4m3fn:
+            raise LoadError(
+                f"{entry.path}: {key!r} is {entry.dtype}; block-FP8 dequantization reads "
+                "float8_e4m3fn weights only"
+            )
+        skey = fp8_scale_key(key)
+        r, c = entry.shape[-2:]
+        want = entry.shape[:-2] + (-(-r // cfg.block[0]), -(-c // cfg.block[1]))
+        want_dtype = _SCALE_DTYPES
+    if skey not in ckpt:
+        raise LoadError(f"{entry.path}: missing scale {skey!r} for the quantized tensor {key!r}")
+    scale = ckpt[skey]
+    if scale.shape != want or scale.dtype not in want_dtype:
+        raise LoadError(
+            f"{scale.path}: scale {skey!r} is {scale.dtype} {list(scale.shape)} but {key!r} "
+            f"{list(entry.shape)} needs {list(want)} of {'/'.join(map(str, want_dtype))} "
+            f"(block {list(cfg.block)} from {cfg.source})"
+        )
+    return scale, cfg.block
+
+
+def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> bool:
+    """Whether `target`'s pieces are quantized; a quantized checkpoint without a
+    quantization_config is an error (its values would be wrong without their scales)."""
+    quant = [
+        p for p in target.pieces if p.entry.dtype in FP8_DTYPES or p.entry.key.endswith("_blocks")
+    ]
+    if not quant:
+        return False
+    if cfg is None or (cfg.method == "fp8") != (quant[0].entry.dtype in FP8_DTYPES):
+        e = quant[0].entry
+        scale = fp8_scale_key(e.key) if e.dtype in FP8_DTYPES else e.key[:-7] + "_scales"
+        if cfg is None and scale not in ckpt:
+            return False  # an fp8 checkpoint without scales: a plain cast, as for bf16
+        said = "no config.json quantization_config says so" if cfg is None else ""
+        said = said or f"{cfg.source} says quant_method {cfg.method!r}"
+        raise LoadError(
+            f"{e.path}: {e.key!r} is quantized ({e.dtype}, scales {scale!r}) but {said}"
+        )
+    if len(quant) != len(target.pieces):
+        raise LoadError(f"{target.name}: checkpoint tensors mix quantized and plain dtypes")
+    return True
+
+
+def _box(owned: np.ndarray, lo: int, n: int) -> tuple[slice, np.ndarray]:
+    """The contiguous run of local positions whose global index is in [lo, lo + n)."""
+    sel = np.nonzero((owned >= lo) & (owned < lo + n))[0]
+    if sel.size and sel[-1] - sel[0] + 1 != sel.size:  # owned indices are increasing
+        raise LoadError("owned indices are not increasing")  # pragma: no cover
+    return (slice(int(sel[0]), int(sel[-1]) + 1) if sel.size else slice(0, 0)), owned[sel] - lo
+
+
+def plan_quant(
+    target: Target,
+    cfg: QuantConfig,
+    ckpt: Checkpoint,
+    file_ids: dict[str, int],
+    device: torch.device | None,
+) -> None:
+    """Fill `target.quant` (a `QuantPlan`), `local_shape`, `device` and `read_dtype`."""
+    t = target.tensor
+    if t.dtype not in OUT_DTYPES:
+        raise LoadError(
+            f"{target.name}: quantized checkpoint tensors dequantize into bfloat16, float16 or "
+            f"float32 parameters; this one is {t.dtype}"
+        )
+    if t.ndim not in (2, 3):
+        raise LoadError(f"{target.name}: quantized tensors must be 2-D or 3-D, got {list(t.shape)}")
+    gshape = tuple(t.shape)
+    owned = owned_indices(t, target.name)
+    full = [o if o is not None else np.arange(n, dtype=np.int64) for o, n in zip(owned, gshape)]
+    target.local_shape = tuple(len(o) for o in full)
+    have = tuple(getattr(t, "_local_tensor", t).shape)
+    if have != target.local_shape:
+        raise LoadError(
+            f"{target.name}: the local tensor has shape {have}, placements give "
+            f"{target.local_shape}"
+        )
+    target.read_dtype = t.dtype
+    target.device = (
+        torch.device(device or "cpu") if t.is_meta else getattr(t, "_local_tensor", t).device
+    )
+    pack = 2 if cfg.method == "mxfp4" else 1  # values per stored byte, on the last dim
+    if pack == 2:
+        cols = full[-1]
+        if len(cols) % 2 or np.any(cols[0::2] % 2) or np.any(cols[1::2] != cols[0::2] + 1):
+            raise LoadError(
+                f"{target.name}: this rank's columns split a packed MXFP4 byte (two values); "
+                "shard the last dim on even boundaries"
+            )
+    data_shape = target.local_shape[:-1] + (target.local_shape[-1] // pack,)
+    byte_owned = full[:-1] + [full[-1][0::pack] // pack]
+    byte_global = gshape[:-1] + (gshape[-1] // pack,)
+    nd = len(gshape)
+    files, srcs, dsts, lens, outs = [], [], [], [], []
+    pieces, scale_at = [], 0
+
+    def add(entry: TensorEntry, out: int, ranges, base: int = 0) -> None:
+        src, dst, length = ranges
+        files.append(np.full(len(src), file_ids[entry.path], np.int64))
+        outs.append(np.full(len(src), out, np.int64))
+        srcs.append(src)
+        dsts.append(dst + base)
+        lens.append(length)
+
+    for piece in target.pieces:
+        scale, (br, bc) = _scale_entry(cfg, piece, ckpt)
+        bytes_piece = Piece(
+            piece.entry,
+            piece.offset[:-1] + (piece.offset[-1] // pack,),
+            piece.shape[:-1] + (piece.shape[-1] // pack,),
+        )
+        add(piece.entry, 0, piece_ranges(byte_owned, byte_global, bytes_piece))
+        boxes, rels = zip(*(_box(full[d], piece.offset[d], piece.shape[d]) for d in range(nd)))
+        if any(b.stop == b.start for b in boxes):
+            continue
+        rows_b, cols_b = rels[-2] // br, rels[-1] // bc
+        ublock_r, ublock_c = np.unique(rows_b), np.unique(cols_b)
+        sgshape = piece.shape[:-2] + tuple(scale.shape[-2:])
+        # The scale tensor in the piece's own coordinates: the same leading dims (a per-expert
+        # key's size-1 expert dim holds no bytes), then the blocks covering this rank's rows and
+        # columns, each once.
+        s_owned = list(rels[:-2]) + [ublock_r, ublock_c]
+        s_piece = Piece(scale, (0,) * nd, sgshape)
+        add(scale, 1, piece_ranges(s_owned, sgshape, s_piece), scale_at)
+        lead = int(np.prod([len(r) for r in rels[:-2]], dtype=np.int64))
+        sshape = (lead, len(ublock_r), len(ublock_c))
+        pieces.append(
+            QuantPiece(
+                piece,
+                scale,
+                boxes,
+                scale_at,
+                sshape,
+                np.searchsorted(ublock_r, rows_b),
+                np.searchsorted(ublock_c, cols_b),
+            )
+        )
+        scale_at += int(np.prod(sshape)) * scale.dtype.itemsize
+        scale_at = (scale_at + 63) // 64 * 64  # every piece's scales aligned for any dtype
+    rows = coalesce_two(files, outs, srcs, dsts, lens)
+    data_bytes = int(np.prod(data_shape, dtype=np.int64))
+    planned = int(rows[rows[:, 1] == 0, 4].sum())
+    if planned != data_bytes:
+        raise LoadError(
+            f"{target.name}: checkpoint keys cover {planned} of the {data_bytes} quantized bytes "
+            f"of this rank's shard {target.local_shape}"
+        )
+    target.quant = QuantPlan(cfg.method, pieces, data_shape, scale_at, rows, data_bytes)
+    target.rows = rows[:, [0, 2, 3, 4]]
+
+
+def coalesce_two(files, outs, srcs, dsts, lens) -> np.ndarray:
+    """Coalesced rows [N, 5] (file, out, src, dst, length) for outs 0 and 1."""
+    cat = [
+        np.concatenate(a) if a else np.zeros(0, np.int64) for a in (files, outs, srcs, dsts, lens)
+    ]
+    f, o, s, d, n = cat
+    parts = []
+    for out in (0, 1):
+        r = coalesce(f[o == out], s[o == out], d[o == out], n[o == out])
+        parts.append(np.insert(r, 1, out, axis=1))
+    return np.concatenate(parts)

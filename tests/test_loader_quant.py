@@ -1,0 +1,416 @@
+"""load_sharded on quantized checkpoints (block FP8 as DeepSeek-V3 ships, MXFP4 as gpt-oss ships):
+dequantized on read, equal to transformers' own dequantization element for element, each rank
+reading only its quantized bytes and the scale blocks that cover them; bad input is a LoadError
+naming the file and key, with nothing written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from _dist import run_ranks
+from _quant_ckpt import (
+    meta_model,
+    ref_fp8,
+    ref_mxfp4,
+    write_fp8,
+    write_mxfp4,
+)
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+import grouped_ep  # noqa: F401  (loads the ops)
+from grouped_ep import LoadError, load_sharded
+
+
+def _exact(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()
+    }
+
+
+# ---- the native kernel against transformers, over every input value ----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_every_byte_equals_transformers(dtype):
+    q = torch.arange(256, dtype=torch.uint8).repeat(4).view(16, 64).view(torch.float8_e4m3fn)
+    s = torch.tensor([[1.0, 3.7e-3], [0.5, 2.0**-20], [7.25, 1.0e3], [2.0**-126, 1.5]]).float()
+    want = ref_fp8(q, s, (4, 32), dtype)
+    out = torch.empty(1, 16, 64, dtype=dtype)
+    rb = torch.arange(16) // 4
+    cb = torch.arange(64) // 32
+    torch.ops.grouped_ep.dequantize(q.view(torch.uint8)[None], s[None], rb, cb, out, "fp8")
+    _exact(out[0], want, "fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp4_every_nibble_and_exponent_equals_transformers(dtype):
+    blocks = torch.arange(256, dtype=torch.uint8).view(1, 256, 1, 1).expand(2, 256, 1, 16).clone()
+    blocks[1] = blocks[1].flip(-1)
+    scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(2, 256, 1).clone()
+    want = ref_mxfp4(blocks, scales, dtype)  # [2, 256, 32]: every byte with every exponent
+    from grouped_ep.loading.dequant import e8m0_to_float
+
+    out = torch.empty(2, 256, 32, dtype=dtype)
+    torch.ops.grouped_ep.dequantize(
+        blocks.view(2, 256, 16),
+        e8m0_to_float(scales),
+        torch.arange(256),
+        torch.zeros(32, dtype=torch.long),
+        out,
+        "mxfp4",
+    )
+    _exact(out, want, "mxfp4")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_device_path_arithmetic_equals_transformers(kind):
+    """dequantize_torch is what CUDA destinations run; here it runs on CPU tensors."""
+    from grouped_ep.loading.dequant import dequantize_torch, e8m0_to_float
+
+    if kind == "fp8":
+        q = torch.arange(256, dtype=torch.uint8).repeat(4).view(16, 64)
+        s = torch.rand(4, 2) * 10
+        want = ref_fp8(q.view(torch.float8_e4m3fn), s, (4, 32), torch.bfloat16)[None]
+        args = (q[None], s[None], torch.arange(16) // 4, torch.arange(64) // 32)
+    else:
+        blocks = torch.arange(256, dtype=torch.uint8).view(1, 256, 1, 1).expand(1, 256, 1, 16)
+        scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1)
+        want = ref_mxfp4(blocks.contiguous(), scales, torch.bfloat16)
+        args = (
+            blocks.reshape(1, 256, 16),
+            e8m0_to_float(scales),
+            torch.arange(256),
+            torch.zeros(32, dtype=torch.long),
+        )
+    out = torch.empty(want.shape, dtype=torch.bfloat16)
+    dequantize_torch(*args, kind, out)
+    _exact(out, want, kind)
+
+
+def test_dequantize_op_rejects_bad_arguments():
+    out = torch.empty(1, 4, 4, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 4, dtype=torch.uint8)
+    s = torch.ones(1, 1, 1)
+    idx = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="format must be"):
+        torch.ops.grouped_ep.dequantize(q, s, idx, idx, out, "int4")
+    with pytest.raises(RuntimeError, match=r"col_block\[2\]=1"):
+        torch.ops.grouped_ep.dequantize(q, s, idx, torch.tensor([0, 0, 1, 0]), out, "fp8")
+    with pytest.raises(RuntimeError, match="q has shape"):
+        torch.ops.grouped_ep.dequantize(q, s, idx, idx, out, "mxfp4")
+
+
+# ---- single process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(e=4, h=64, i=32, r=48), dict(e=3, h=72, i=40, r=50)],
+    ids=["blocks_divide", "partial_edge_blocks"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_checkpoint_equals_transformers(tmp_path, shape, dtype):
+    want, tensors = write_fp8(tmp_path, dtype=dtype, **shape)
+    model = meta_model("fp8", dtype=dtype, **shape)
+    report = load_sharded(model, tmp_path)
+    got = _state(model)
+    assert set(got) == set(want)
+    for k in want:
+        _exact(got[k], want[k], k)
+    fp8 = sum(t.numel() for t in tensors.values() if t.dtype == torch.float8_e4m3fn)
+    scales = sum(t.nbytes for k, t in tensors.items() if k.endswith("weight_scale_inv"))
+    plain = sum(t.nbytes for t in tensors.values() if t.dtype == torch.bfloat16)
+    assert report.quantized_bytes_read == fp8
+    assert report.scale_bytes_read == scales
+    assert report.bytes_owned == fp8 + plain
+    assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+    assert report.unused_keys == [] and report.missing == []
+
+
+@pytest.mark.parametrize(
+    "scale_dtype", [torch.bfloat16, torch.float8_e8m0fnu], ids=["bf16", "ue8m0"]
+)
+def test_fp8_scale_dtypes(tmp_path, scale_dtype):
+    want, tensors = write_fp8(tmp_path, scale_dtype=scale_dtype, e=2, h=64, i=32, r=48)
+    assert tensors["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"].dtype == scale_dtype
+    model = meta_model("fp8", e=2, h=64, i=32, r=48)
+    load_sharded(model, tmp_path)
+    got = _state(model)
+    for k in want:
+        _exact(got[k], want[k], k)
+
+
+def test_fp8_e5m2_weights_are_refused(tmp_path):
+    _, tensors = write_fp8(tmp_path)
+    key = "model.layers.0.self_attn.q_a_proj.weight"
+    file = _rewrite(tmp_path, key, tensors[key].to(torch.float8_e5m2))
+    with pytest.raises(LoadError, match=rf"{file}: '{key}' is torch.float8_e5m2"):
+        load_sharded(meta_model("fp8"), tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp4_checkpoint_equals_transformers(tmp_path, dtype):
+    want, tensors = write_mxfp4(tmp_path, dtype=dtype)
+    model = meta_model("mxfp4", dtype=dtype)
+    report = load_sharded(model, tmp_path)
+    got = _state(model)
+    for k in want:
+        _exact(got[k], want[k], k)
+    blocks = sum(t.nbytes for k, t in tensors.items() if k.endswith("_blocks"))
+    scales = sum(t.nbytes for k, t in tensors.items() if k.endswith("_scales"))
+    assert report.quantized_bytes_read == blocks and report.scale_bytes_read == scales
+    assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+    # gpt-oss expert biases: GroupedExperts has none yet, so they are reported unused.
+    assert report.unused_keys == [
+        "model.layers.0.mlp.experts.down_proj_bias",
+        "model.layers.0.mlp.experts.gate_up_proj_bias",
+    ]
+
+
+def test_materialized_model_is_overwritten_in_place(tmp_path):
+    want, _ = write_fp8(tmp_path)
+    model = meta_model("fp8").to_empty(device="cpu")
+    before = model.model.layers[0].mlp.experts.down_proj
+    load_sharded(model, tmp_path)
+    assert model.model.layers[0].mlp.experts.down_proj is before
+    _exact(before.detach(), want["model.layers.0.mlp.experts.down_proj"], "down_proj")
+
+
+# ---- bad input: a LoadError naming the file and key, nothing written -------------------------
+
+
+def _rewrite(path, key, value):
+    """Replace one tensor of the checkpoint file that holds `key`."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = index["weight_map"][key]
+    tensors = load_file(str(path / name))
+    if value is None:
+        del tensors[key]
+        index["weight_map"].pop(key)
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        tensors[key] = value
+    save_file(tensors, str(path / name))
+    return str(path / name)
+
+
+def _assert_untouched(model, fill: float) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.all(v == fill), f"{k} was written by a failed load"
+
+
+def _filled(kind):
+    model = meta_model(kind).to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    return model
+
+
+def test_scale_that_does_not_cover_its_weight(tmp_path):
+    write_fp8(tmp_path)
+    key = "model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"
+    file = _rewrite(tmp_path, key, torch.ones(2, 2))
+    model = _filled("fp8")
+    with pytest.raises(LoadError, match=rf"{file}: scale '{key}' is torch.float32 \[2, 2\] but"):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
+def test_missing_scale(tmp_path):
+    write_fp8(tmp_path)
+    key = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    _rewrite(tmp_path, key, None)
+    model = _filled("fp8")
+    with pytest.raises(LoadError, match=rf"\.safetensors: missing scale '{key}' for"):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
+def test_mxfp4_scales_of_wrong_shape(tmp_path):
+    write_mxfp4(tmp_path)
+    key = "model.layers.0.mlp.experts.down_proj_scales"
+    file = _rewrite(tmp_path, key, torch.zeros(4, 96, 3, dtype=torch.uint8))
+    model = _filled("mxfp4")
+    with pytest.raises(LoadError, match=rf"{file}: scale '{key}' is torch.uint8 \[4, 96, 3\]"):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
+def test_unknown_quant_method(tmp_path):
+    write_fp8(tmp_path, qc={"quant_method": "awq", "bits": 4})
+    model = _filled("fp8")
+    with pytest.raises(
+        LoadError, match=r"config.json: unknown quantization_config.quant_method 'awq'"
+    ):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
+def test_scales_without_quantization_config_are_an_error(tmp_path):
+    """The silent failure of issue 14: fp8 values cast without their scales."""
+    write_fp8(tmp_path, qc=None)
+    model = _filled("fp8")
+    with pytest.raises(LoadError, match=r"is quantized .* no config.json quantization_config"):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
+def test_dequantize_false_refuses(tmp_path):
+    write_mxfp4(tmp_path)
+    model = _filled("mxfp4")
+    with pytest.raises(
+        LoadError, match=r"config.json: the checkpoint is quantized .*dequantize=False"
+    ):
+        load_sharded(model, tmp_path, dequantize=False)
+    _assert_untouched(model, 3.0)
+
+
+def test_integer_parameters_are_refused(tmp_path):
+    write_fp8(tmp_path)
+    model = meta_model("fp8")
+    model.model.layers[0].self_attn.q_a_proj.weight = torch.nn.Parameter(
+        torch.empty(50, 72, dtype=torch.int8, device="meta"), requires_grad=False
+    )
+    with pytest.raises(
+        LoadError, match=r"q_a_proj.weight: quantized checkpoint tensors dequantize"
+    ):
+        load_sharded(model, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_cuda_destination_equals_transformers(tmp_path, kind):
+    want, _ = (write_fp8 if kind == "fp8" else write_mxfp4)(tmp_path)
+    model = meta_model(kind)
+    load_sharded(model, tmp_path, device="cuda")
+    for k, v in _state(model).items():
+        assert v.device.type == "cuda"
+        _exact(v.cpu(), want[k], k)
+
+
+# ---- ranks: EP = 2 and dp 2 x ep 2, shard boundaries inside scale blocks ---------------------
+
+
+def _covering_scale_bytes(rows: range, cols: range, block) -> int:
+    """Scale blocks (float32) covering rows x cols, counted independently of the planner."""
+    br, bc = block
+    nr = len({r // br for r in rows})
+    nc = len({c // bc for c in cols})
+    return nr * nc * 4
+
+
+def _ep2_body(rank, world, fp8_dir, mx_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from grouped_ep.parallel import apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {}
+    for kind, path in (("fp8", fp8_dir), ("mxfp4", mx_dir)):
+        model = meta_model(kind)
+        apply_expert_parallel(model, mesh)
+        attn = model.model.layers[0].self_attn.q_a_proj
+        # Rows of a dense weight split over the ranks: 25 rows each, cutting a 16-row block.
+        attn.weight = torch.nn.Parameter(
+            distribute_tensor(attn.weight, mesh, [Shard(0)], src_data_rank=None)
+        )
+        report = load_sharded(model, path)
+        out[kind] = (report, _state(model))
+    return out
+
+
+def test_ep2_equals_transformers_and_reads_only_covering_scales(tmp_path):
+    want8, t8 = write_fp8(tmp_path / "fp8")
+    wantmx, tmx = write_mxfp4(tmp_path / "mx")
+    results = run_ranks(_ep2_body, 2, str(tmp_path / "fp8"), str(tmp_path / "mx"), timeout=240)
+    block = (16, 32)
+    for rank, out in enumerate(results):
+        report, got = out["fp8"]
+        for k in want8:
+            _exact(got[k], want8[k], f"rank {rank} {k}")
+        rows = range(25 * rank, 25 * rank + 25)
+        attn_scales = _covering_scale_bytes(rows, range(72), block)
+        expert_scales = 2 * sum(
+            math.ceil(r / 16) * math.ceil(c / 32) * 4 for r, c in ((40, 72), (40, 72), (72, 40))
+        )
+        assert report.scale_bytes_read == attn_scales + expert_scales
+        assert report.quantized_bytes_read == 25 * 72 + 2 * 3 * 40 * 72
+        assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+        report, got = out["mxfp4"]
+        for k in wantmx:
+            _exact(got[k], wantmx[k], f"rank {rank} {k}")
+        half = {k: t.nbytes // 2 for k, t in tmx.items() if k.endswith(("_blocks", "_scales"))}
+        assert report.quantized_bytes_read == sum(
+            v for k, v in half.items() if k.endswith("_blocks")
+        )
+        assert report.scale_bytes_read == sum(v for k, v in half.items() if k.endswith("_scales"))
+        assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+
+
+def _dp2_ep2_body(rank, world, fp8_dir, mx_dir):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    mesh = make_mesh(dp=2, ep=2)
+    out = {}
+    model = meta_model("fp8")
+    fully_shard_moe(model, mesh)  # dense weights: rows over 4 ranks (13 each), experts: ep x dp
+    report = load_sharded(model, fp8_dir)
+    out["fp8"] = (report, _state(model))
+    # MXFP4 experts with their columns split over dp: 48 of 96 columns each, so the middle
+    # 32-value block's scale is read by both dp ranks (and its bytes split between them).
+    model = meta_model("mxfp4")
+    experts = model.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(experts, name)
+        d = distribute_tensor(p, mesh, [Shard(2), Shard(0)], src_data_rank=None)
+        setattr(experts, name, torch.nn.Parameter(d))
+    report = load_sharded(model, mx_dir)
+    out["mxfp4"] = (report, _state(model))
+    return out
+
+
+@pytest.mark.slow
+def test_dp2_ep2_equals_transformers(tmp_path):
+    want8, t8 = write_fp8(tmp_path / "fp8")
+    wantmx, tmx = write_mxfp4(tmp_path / "mx")
+    results = run_ranks(_dp2_ep2_body, 4, str(tmp_path / "fp8"), str(tmp_path / "mx"), timeout=300)
+    fp8_total = sum(t.numel() for t in t8.values() if t.dtype == torch.float8_e4m3fn)
+    assert sum(out["fp8"][0].quantized_bytes_read for out in results) == fp8_total
+    for rank, out in enumerate(results):
+        for kind, want in (("fp8", want8), ("mxfp4", wantmx)):
+            report, got = out[kind]
+            for k in want:
+                _exact(got[k], want[k], f"rank {rank} {kind} {k}")
+            assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+        # q_a_proj rows [13 r, 13 r + 13) cut 16-row blocks: only the covering ones are read.
+        # Experts: 4 over ep 2 x dp 2 is one expert per rank (gate, up [40, 72], down [72, 40]).
+        rows = range(13 * rank, min(50, 13 * rank + 13))
+        one_expert = sum(
+            math.ceil(r / 16) * math.ceil(c / 32) * 4 for r, c in ((40, 72), (40, 72), (72, 40))
+        )
+        fp8 = out["fp8"][0]
+        assert fp8.scale_bytes_read == _covering_scale_bytes(rows, range(72), (16, 32)) + one_expert
+        assert fp8.quantized_bytes_read == len(rows) * 72 + 3 * 40 * 72
+        mx = out["mxfp4"][0]
+        ep, dp = rank % 2, rank // 2
+        e = 2  # experts per ep rank; gate_up [E, 128, 96] and down [E, 96, 64]
+        cols_gu = range(48 * dp, 48 * dp + 48)
+        cols_dn = range(32 * dp, 32 * dp + 32)
+        assert mx.quantized_bytes_read == e * (128 * 48 + 96 * 32) // 2
+        want_scales = e * (
+            128 * len({c // 32 for c in cols_gu}) + 96 * len({c // 32 for c in cols_dn})
+        )
+        assert mx.scale_bytes_read == want_scales, (rank, ep)
