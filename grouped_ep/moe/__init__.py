@@ -1,9 +1,30 @@
-"""MoE layers on the grouped GEMM (`layers`) and their token dispatch (`dispatch`).
+"""MoE layers on the grouped GEMM (`layers`), their token dispatch (`dispatch`) and load
+balancing (`balance`).
 
 `grouped_ep.nn` is the same package under its older name.
 """
 
-from grouped_ep.moe.dispatch import routed_experts_forward
+from grouped_ep.moe.balance import RouterOutput, load_balancing_loss, update_expert_bias
+from grouped_ep.moe.dispatch import (
+    AllToAllDispatcher,
+    Dispatcher,
+    LocalDispatcher,
+    Routing,
+    routed_experts_forward,
+)
 from grouped_ep.moe.layers import GroupedExperts, MoE, route, swiglu_experts
 
-__all__ = ["GroupedExperts", "MoE", "route", "routed_experts_forward", "swiglu_experts"]
+__all__ = [
+    "AllToAllDispatcher",
+    "Dispatcher",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "RouterOutput",
+    "Routing",
+    "load_balancing_loss",
+    "route",
+    "routed_experts_forward",
+    "swiglu_experts",
+    "update_expert_bias",
+]
