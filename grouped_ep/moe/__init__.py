@@ -1,5 +1,5 @@
 """MoE layers on the grouped GEMM (`layers`), their token dispatch (`dispatch`) and load
-balancing (`balance`).
+balancing (`balance`), and a per-expert token counter for transformers models (`monitor`).
 
 `grouped_ep.nn` is the same package under its older name.
 """
@@ -13,10 +13,12 @@ from grouped_ep.moe.dispatch import (
     routed_experts_forward,
 )
 from grouped_ep.moe.layers import GroupedExperts, MoE, route, swiglu_experts
+from grouped_ep.moe.monitor import ExpertLoadCounter
 
 __all__ = [
     "AllToAllDispatcher",
     "Dispatcher",
+    "ExpertLoadCounter",
     "GroupedExperts",
     "LocalDispatcher",
     "MoE",
