@@ -15,6 +15,7 @@ from grouped_ep.moe import (
     Routing,
     load_balancing_loss,
     route,
+    set_aux_loss_scale,
     update_expert_bias,
 )
 
@@ -80,11 +81,14 @@ def test_aux_loss_matches_hand_written_reference(top_k):
     assert abs(load_balancing_loss(collapsed, counts0, top_k).item() - 6) < 1e-12
 
 
-def test_moe_aux_loss_value_and_gradient_match_reference():
-    """The output's backward adds coef * d(aux)/d(params), exactly as an explicit loss term."""
+@pytest.mark.parametrize("scale", [1.0, 0.25], ids=["scale1", "scale_quarter"])
+def test_moe_aux_loss_value_and_gradient_match_reference(scale):
+    """The output's backward adds scale * coef * d(aux)/d(params), exactly as an explicit loss
+    term (`set_aux_loss_scale`, e.g. 1/N for N accumulated micro-batches)."""
     coef = 0.37
     moe, d = skewed_moe(aux_loss_coef=coef)
     moe.double()
+    set_aux_loss_scale(moe, scale)
     plain = copy.deepcopy(moe)
     plain.aux_loss_coef = 0.0
     x = (torch.randn(20, 16) + d).double()
@@ -101,7 +105,7 @@ def test_moe_aux_loss_value_and_gradient_match_reference():
     logits = x @ plain.router.weight.T
     probs = torch.softmax(logits, -1)
     counts = torch.bincount(probs.topk(2).indices.reshape(-1), minlength=8)
-    ((y_ref * dy).sum() + coef * load_balancing_loss(probs, counts, 2)).backward()
+    ((y_ref * dy).sum() + scale * coef * load_balancing_loss(probs, counts, 2)).backward()
     for (name, p), q in zip(moe.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=name)
     assert moe.router.weight.grad.abs().sum() > 0

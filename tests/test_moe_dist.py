@@ -16,29 +16,29 @@ from _dist import run_ranks
 from test_parallel_dist import batches, lm_loss
 from torch import nn
 
-from grouped_ep.moe import MoE, update_expert_bias
+from grouped_ep.moe import MoE, set_aux_loss_scale, update_expert_bias
 
-TIMEOUT = 180
+TIMEOUT = 300
 TOL = 1e-5
 GAMMA = 0.02  # large enough that the bias changes routing within a few steps
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, gamma: float | None) -> None:
+    def __init__(self, hidden: int, num_experts: int, gamma: float | None, aux: float) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(hidden)
-        self.moe = MoE(hidden, 24, num_experts, 2, expert_bias_gamma=gamma)
+        self.moe = MoE(hidden, 24, num_experts, 2, expert_bias_gamma=gamma, aux_loss_coef=aux)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
 
 
 class BalancedLM(nn.Module):
-    def __init__(self, num_experts: int = 4, gamma: float | None = GAMMA, vocab: int = 32):
+    def __init__(self, gamma: float | None = GAMMA, aux: float = 0.0, vocab: int = 32):
         super().__init__()
         hidden = 16
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, num_experts, gamma) for _ in range(2))
+        self.layers = nn.ModuleList(Block(hidden, 4, gamma, aux) for _ in range(2))
         self.norm = nn.RMSNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
@@ -49,9 +49,9 @@ class BalancedLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(gamma: float | None = GAMMA) -> BalancedLM:
+def make_model(gamma: float | None = GAMMA, aux: float = 0.0) -> BalancedLM:
     torch.manual_seed(0)
-    model = BalancedLM(gamma=gamma)
+    model = BalancedLM(gamma=gamma, aux=aux)
     with torch.no_grad():  # a skewed router: experts 0 and 1 get most tokens at first
         for layer in model.layers:
             layer.moe.router.weight.mul_(4.0)
@@ -71,13 +71,20 @@ def rank_batch(step_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return flat.chunk(world)[rank]
 
 
-def train(model, opt, step_batches, rank: int = 0, world: int = 1):
-    """AdamW steps, each followed by the bias update; (global losses, bias after each step)."""
+def train(model, opt, step_batches, rank: int = 0, world: int = 1, chunks: int = 1):
+    """AdamW steps, each followed by the bias update; (global losses, bias after each step).
+
+    In one process, `chunks > 1` runs the batch as that many forwards and averages their
+    losses: what `chunks` ranks compute (the aux loss is per forward, over its tokens)."""
     import torch.distributed as dist
 
     losses, bias_history = [], []
     for step_ids in step_batches:
-        loss = lm_loss(model, rank_batch(step_ids, rank, world))
+        if world == 1 and chunks > 1:
+            loss = sum(lm_loss(model, rank_batch(step_ids, r, chunks)) for r in range(chunks))
+            loss = loss / chunks
+        else:
+            loss = lm_loss(model, rank_batch(step_ids, rank, world))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -90,22 +97,23 @@ def train(model, opt, step_batches, rank: int = 0, world: int = 1):
     return losses, bias_history
 
 
-def train_reference(steps: int, gamma: float | None = GAMMA):
-    model = make_model(gamma)
+def train_reference(steps: int, gamma: float | None = GAMMA, aux: float = 0.0, chunks: int = 1):
+    model = make_model(gamma, aux)
+    set_aux_loss_scale(model, 1 / chunks)  # the chunks' losses are averaged: so are their aux terms
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    losses, bias_history = train(model, opt, batches(4, steps))
+    losses, bias_history = train(model, opt, batches(4, steps), chunks=chunks)
     return losses, bias_history, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _parallel_model(dp: int, ep: int):
+def _parallel_model(dp: int, ep: int, aux: float = 0.0):
     from grouped_ep.parallel import fully_shard_moe, make_mesh
 
-    model = fully_shard_moe(make_model(), make_mesh(dp, ep))
+    model = fully_shard_moe(make_model(aux=aux), make_mesh(dp, ep))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
 
-def _train_rank(rank: int, world: int, dp: int, ep: int, steps: int):
-    model, opt = _parallel_model(dp, ep)
+def _train_rank(rank: int, world: int, dp: int, ep: int, steps: int, aux: float):
+    model, opt = _parallel_model(dp, ep, aux)
     losses, bias_history = train(model, opt, batches(4, steps), rank, world)
     state = {n: p.full_tensor() for n, p in model.named_parameters()}
     state.update((n, b.clone()) for n, b in model.named_buffers())
@@ -113,12 +121,23 @@ def _train_rank(rank: int, world: int, dp: int, ep: int, steps: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 2)], ids=["world2_ep2", "world4_dp2_ep2"])
-def test_expert_bias_training_matches_single_process(dp, ep):
-    steps = 8
-    results = run_ranks(_train_rank, dp * ep, dp, ep, steps, timeout=TIMEOUT)
-    ref_losses, ref_bias, ref_state = train_reference(steps)
-    plain_losses = train_reference(steps, gamma=None)[0]
+@pytest.mark.parametrize(
+    "dp,ep,aux",
+    [(1, 2, 0.0), (2, 2, 0.0), (1, 2, 0.1)],
+    ids=["world2_ep2", "world4_dp2_ep2", "world2_ep2_aux_loss"],
+)
+def test_expert_bias_training_matches_single_process(dp, ep, aux):
+    """With the aux loss, the reference runs the batch as one forward per rank's share (the
+    aux loss is over each rank's tokens) and averages them (`set_aux_loss_scale(1 / world)`);
+    FSDP's gradient mean over the ranks must give the same."""
+    steps, world = 8, dp * ep
+    results = run_ranks(_train_rank, world, dp, ep, steps, aux, timeout=TIMEOUT)
+    chunks = world if aux else 1
+    ref_losses, ref_bias, ref_state = train_reference(steps, aux=aux, chunks=chunks)
+    plain_losses = train_reference(steps, gamma=None, aux=aux, chunks=chunks)[0]
+    if aux:  # the aux loss changed the training
+        no_aux = train_reference(steps)[0]
+        assert max(abs(a - b) for a, b in zip(ref_losses, no_aux)) > 1e-4
     # The bias moved and changed the training: this is not the unbalanced run.
     assert ref_bias[-1].abs().max() >= GAMMA
     assert max(abs(a - b) for a, b in zip(ref_losses, plain_losses)) > 1e-3

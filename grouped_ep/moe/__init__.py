@@ -4,7 +4,12 @@ balancing (`balance`), and a per-expert token counter for transformers models (`
 `grouped_ep.nn` is the same package under its older name.
 """
 
-from grouped_ep.moe.balance import RouterOutput, load_balancing_loss, update_expert_bias
+from grouped_ep.moe.balance import (
+    RouterOutput,
+    load_balancing_loss,
+    set_aux_loss_scale,
+    update_expert_bias,
+)
 from grouped_ep.moe.dispatch import (
     AllToAllDispatcher,
     Dispatcher,
@@ -26,6 +31,7 @@ __all__ = [
     "Routing",
     "load_balancing_loss",
     "route",
+    "set_aux_loss_scale",
     "routed_experts_forward",
     "swiglu_experts",
     "update_expert_bias",

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["RouterOutput", "load_balancing_loss", "update_expert_bias"]
+__all__ = ["RouterOutput", "load_balancing_loss", "set_aux_loss_scale", "update_expert_bias"]
 
 
 @dataclass
@@ -76,6 +76,22 @@ class _AddAuxLossGrad(torch.autograd.Function):
 def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
     """`out`, unchanged, whose backward also backpropagates `coef * aux_loss`."""
     return _AddAuxLossGrad.apply(out, aux_loss, coef)
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Scale the aux-loss gradient of every `MoE` of `model` by `scale` (default 1).
+
+    The aux loss reaches the gradient through the backward of each MoE output, so it does not
+    see how the training loop scales the loss. With gradient accumulation over N micro-batches
+    whose losses are divided by N, set `scale = 1 / N` (likewise for a loss scaler's factor),
+    so that the aux term is averaged like the loss. Data-parallel and EP ranks need nothing:
+    FSDP averages the gradients, aux terms included.
+    """
+    if scale < 0:
+        raise ValueError(f"set_aux_loss_scale: scale must be >= 0, got {scale}")
+    for module in model.modules():
+        if hasattr(module, "aux_loss_grad_scale"):
+            module.aux_loss_grad_scale = float(scale)
 
 
 def _balanced_layers(model: nn.Module) -> list[nn.Module]:

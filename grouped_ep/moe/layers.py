@@ -148,7 +148,8 @@ class MoE(nn.Module):
     - `aux_loss_coef > 0`: the Switch/Mixtral auxiliary loss over this rank's tokens
       (`grouped_ep.moe.balance.load_balancing_loss`). Its gradient, times the coefficient, is
       added in the backward of the output, as if `aux_loss_coef * aux_loss` were part of the
-      loss backpropagated through it: nothing to add in the training loop.
+      loss backpropagated through it: nothing to add in the training loop. With gradient
+      accumulation (losses divided by N), call `grouped_ep.moe.set_aux_loss_scale(model, 1/N)`.
     - `expert_bias_gamma=gamma`: DeepSeek-V3's auxiliary-loss-free balancing. A buffer
       `expert_bias [E]` (fp32, saved in checkpoints) is added to the probabilities to choose the
       experts, not to the combine weights. Training forwards count the tokens per expert;
@@ -188,6 +189,7 @@ class MoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.num_experts = num_experts
         self.aux_loss_coef = float(aux_loss_coef)
+        self.aux_loss_grad_scale = 1.0  # see grouped_ep.moe.set_aux_loss_scale
         self.expert_bias_gamma = None if expert_bias_gamma is None else float(expert_bias_gamma)
         self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
@@ -246,7 +248,8 @@ class MoE(nn.Module):
             probs = torch.softmax(logits, dim=-1, dtype=weights.dtype)
             aux_loss = load_balancing_loss(probs, routing.counts, self.top_k)
             if torch.is_grad_enabled():
-                out = add_aux_loss_grad(out, aux_loss, self.aux_loss_coef)
+                coef = self.aux_loss_coef * self.aux_loss_grad_scale
+                out = add_aux_loss_grad(out, aux_loss, coef)
             aux_loss = aux_loss.detach()
         if return_router_outputs:
             return out, RouterOutput(logits, routing.counts, aux_loss)
