@@ -123,8 +123,8 @@ def _train_rank(rank: int, world: int, dp: int, ep: int, steps: int, aux: float)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dp,ep,aux",
-    [(1, 2, 0.0), (2, 2, 0.0), (1, 2, 0.1)],
-    ids=["world2_ep2", "world4_dp2_ep2", "world2_ep2_aux_loss"],
+    [(1, 2, 0.0), (2, 2, 0.0), (1, 2, 0.1), (2, 2, 0.1)],
+    ids=["world2_ep2", "world4_dp2_ep2", "world2_ep2_aux_loss", "world4_dp2_ep2_aux_loss"],
 )
 def test_expert_bias_training_matches_single_process(dp, ep, aux):
     """With the aux loss, the reference runs the batch as one forward per rank's share (the
