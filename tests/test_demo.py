@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from grouped_ep._subprocess import run as run_group
+from grouped_ep.demo.model import GLOBAL_BATCH, SEQ
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,4 +42,10 @@ def test_demo_end_to_end_short(tmp_path):
     assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]  # it trains, across the resume
     assert summary["export"]["logits_max_abs_diff"] <= 1e-4
+    # Per-expert load: every routed copy of every step and rank counted once per layer.
+    assert "layer 0 tokens per expert min / max" in proc.stdout
+    for phase, steps in (("train", 3), ("resume", 2)):
+        counts = summary[phase]["tokens_per_expert"]
+        assert len(counts) == 3 and all(len(c) == 8 for c in counts)
+        assert all(sum(c) == steps * GLOBAL_BATCH * SEQ * 2 for c in counts), (phase, counts)
     assert (out / "hf_export" / "model.safetensors.index.json").exists()

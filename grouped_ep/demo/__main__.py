@@ -144,6 +144,22 @@ def compare_logits(out: Path) -> None:
         )
 
 
+def expert_load_rows(phase: str, record: dict) -> list[tuple[str, str, str]]:
+    """One summary row per MoE layer: min / max routed tokens per expert over the phase (all
+    ranks and steps), and max / mean."""
+    rows = []
+    for layer, counts in enumerate(record.get("tokens_per_expert", [])):
+        mean = sum(counts) / max(len(counts), 1)
+        rows.append(
+            (
+                phase,
+                f"layer {layer} tokens per expert min / max",
+                f"{min(counts):,} / {max(counts):,} (max / mean {max(counts) / max(mean, 1):.2f})",
+            )
+        )
+    return rows
+
+
 def print_summary(out: Path, seconds: float) -> None:
     s = json.loads((out / "summary.json").read_text())
     rows = [("phase", "what", "value")]
@@ -164,6 +180,7 @@ def print_summary(out: Path, seconds: float) -> None:
             f"{t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} ({len(t['losses'])} steps)",
         ),
         ("train", "save seconds", f"{t['save_seconds']:.2f}"),
+        *expert_load_rows("train", t),
         ("resume", "layout", f"world {r['world']} = dp {r['dp']} x ep {r['ep']}"),
         ("resume", "load seconds", f"{r['load_seconds']:.2f}"),
         (
@@ -171,6 +188,7 @@ def print_summary(out: Path, seconds: float) -> None:
             "loss first -> last",
             f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} ({len(r['losses'])} steps)",
         ),
+        *expert_load_rows("resume", r),
         ("export", "export_hf seconds", f"{s['export']['seconds']:.2f}"),
         (
             "export",

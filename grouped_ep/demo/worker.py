@@ -40,6 +40,7 @@ def worker(args) -> int:
     import grouped_ep.hf as ge_hf
     from grouped_ep import checkpoint, load_sharded
     from grouped_ep.hf import init_nonpersistent_buffers
+    from grouped_ep.moe import ExpertLoadCounter
     from grouped_ep.parallel import apply_expert_parallel, make_mesh
 
     cuda = args.device == "cuda"
@@ -88,6 +89,7 @@ def worker(args) -> int:
 
     losses = []
     progress = Progress(args.steps, args.phase, rank == 0)
+    load_counter = ExpertLoadCounter(model)  # tokens per expert, counted in the experts' forward
     model.train()
     for i in range(1, args.steps + 1):
         inputs, labels = batch(first_step + i, rank, world)
@@ -100,8 +102,11 @@ def worker(args) -> int:
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
         progress.step(i, losses[-1])
+    counts = load_counter.global_counts()  # [layers, experts], all ranks and steps
+    load_counter.remove()
     phase = summary[args.phase]
     phase["losses"] = losses
+    phase["tokens_per_expert"] = counts.tolist()
 
     if args.phase == "train":
         t0 = time.perf_counter()

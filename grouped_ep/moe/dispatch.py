@@ -1,14 +1,26 @@
-"""Token dispatch for MoE layers: permute tokens into expert order, run the experts here or on
-the ranks that own them (expert parallel, `all_to_all_single`), and combine the results.
+"""Token dispatch for MoE layers, as swappable objects.
 
-Expert parallel (EP): rank r of the EP mesh owns experts `[r*E_l, (r+1)*E_l)`. Each routed
-token copy goes to its expert's rank and comes back the same way, autograd flowing through both
-all-to-alls. One host sync per layer: the split sizes of the exchange.
+A dispatcher moves routed token copies to the experts that compute them and brings the results
+back, weighted and summed per token:
+
+    local_x, offs, handle = dispatcher.dispatch(x, routing)   # [S, H], [E_local] int32
+    y = dispatcher.combine(experts(local_x, offs), handle)     # [T, H]
+
+- `LocalDispatcher`: every expert is on this rank; a permutation into expert order, no
+  communication, no host sync.
+- `AllToAllDispatcher(ep_mesh)`: expert parallel. Rank r of the EP mesh owns experts
+  `[r*E_l, (r+1)*E_l)`; each routed copy goes to its expert's rank with `all_to_all_single` and
+  comes back the same way, autograd flowing through both. One host sync per layer: the split
+  sizes of the exchange (how many rows go to and come from each rank), read with one `.tolist()`.
+
+Any object with these two methods can be passed to `grouped_ep.moe.MoE(dispatcher=...)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,7 +28,66 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["routed_experts_forward"]
+__all__ = [
+    "AllToAllDispatcher",
+    "Dispatcher",
+    "LocalDispatcher",
+    "Routing",
+    "default_dispatcher",
+    "routed_experts_forward",
+    "tokens_per_expert",
+]
+
+
+def tokens_per_expert(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """`[E]` int64: how many routed copies each expert gets from `expert_ids` `[T, k]`.
+
+    scatter_add rather than bincount: no host sync for the max id on CUDA.
+    """
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token goes.
+
+    expert_ids: `[T, k]` int64 global expert ids. weights: `[T, k]` combine weights.
+    counts: `[E]` int64 routed copies per global expert (`tokens_per_expert`).
+    """
+
+    expert_ids: Tensor
+    weights: Tensor
+    counts: Tensor
+
+    @classmethod
+    def from_topk(cls, expert_ids: Tensor, weights: Tensor, num_experts: int) -> Routing:
+        """The routing of `[T, k]` expert ids and weights over `num_experts` experts."""
+        if expert_ids.shape != weights.shape or expert_ids.dim() != 2:
+            raise ValueError(
+                f"Routing: expert_ids {tuple(expert_ids.shape)} and weights "
+                f"{tuple(weights.shape)} must both be [T, k]"
+            )
+        return cls(expert_ids, weights, tokens_per_expert(expert_ids, num_experts))
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.numel()
+
+
+class Dispatcher(Protocol):
+    """What `MoE` needs from a dispatcher (see the module docstring)."""
+
+    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor, Any]:
+        """x `[T, H]` -> (tokens of this rank's experts `[S, H]` grouped by local expert,
+        offs `[E_local]` int32 cumulative group ends, handle for `combine`)."""
+        ...
+
+    def combine(self, y: Tensor, handle: Any) -> Tensor:
+        """y `[S, H]` (the experts' outputs, rows as `dispatch` gave them) -> `[T, H]`:
+        `sum_j weights[t, j] * y[copy (t, j)]`, in the dtype of the dispatched x."""
+        ...
 
 
 def _inverse_permutation(perm: Tensor) -> Tensor:
@@ -25,52 +96,113 @@ def _inverse_permutation(perm: Tensor) -> Tensor:
     return inv
 
 
-def _ep_group(ep_mesh: DeviceMesh) -> dist.ProcessGroup:
-    if ep_mesh.ndim != 1:
-        raise ValueError(f"ep_mesh must be 1-D, got {ep_mesh.ndim}-D {ep_mesh.mesh_dim_names}")
-    return ep_mesh.get_group()
+@dataclass
+class _Permutation:
+    """How routed copies were sorted into global expert order, and how to undo it."""
+
+    order: Tensor  # [T*k] position in the sorted rows -> flat (token, choice) index
+    weights: Tensor  # [T, k]
+    dtype: torch.dtype
 
 
-def _expert_parallel(
-    x_sorted: Tensor,
-    counts: Tensor,
-    ep_mesh: DeviceMesh,
-    compute: Callable[[Tensor, Tensor], Tensor],
-) -> Tensor:
-    """Send grouped tokens to the ranks owning their experts, compute there, bring results back.
+def _permute(x: Tensor, routing: Routing) -> tuple[Tensor, _Permutation]:
+    top_k = routing.expert_ids.shape[1]
+    # Stable: the rows of one expert keep token order, so results do not depend on the sort.
+    order = torch.argsort(routing.expert_ids.reshape(-1), stable=True)
+    return x[order // top_k], _Permutation(order, routing.weights, x.dtype)
 
-    x_sorted: `[S, H]` this rank's routed tokens sorted by global expert id. counts: `[E]` int64
-    tokens per global expert. Rank r owns experts `[r*E_l, (r+1)*E_l)`.
 
-    One host sync: the split sizes of the two all-to-alls (how many rows go to and come from
-    each rank) are read back to the host once, with a single `.tolist()`.
+def _unpermute(y_sorted: Tensor, perm: _Permutation) -> Tensor:
+    num_tokens, top_k = perm.weights.shape
+    y = y_sorted[_inverse_permutation(perm.order)].view(num_tokens, top_k, y_sorted.shape[-1])
+    # Weighted sum over the k choices: deterministic, unlike index_add_ with repeated indices.
+    # In the promoted dtype (fp32 weights with bf16 tokens sum in fp32), as transformers does.
+    return (y * perm.weights.unsqueeze(-1)).sum(dim=1).to(perm.dtype)
+
+
+class LocalDispatcher:
+    """Every expert on this rank: sort the routed copies by expert, no communication."""
+
+    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor, _Permutation]:
+        x_sorted, perm = _permute(x, routing)
+        return x_sorted, torch.cumsum(routing.counts, 0, dtype=torch.int32), perm
+
+    def combine(self, y: Tensor, handle: _Permutation) -> Tensor:
+        return _unpermute(y, handle)
+
+    def __repr__(self) -> str:
+        return "LocalDispatcher()"
+
+
+@dataclass
+class _AllToAllHandle:
+    perm: _Permutation
+    order: Tensor  # received rows (source rank, local expert) -> grouped by local expert
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class AllToAllDispatcher:
+    """Expert parallel over the 1-D `ep_mesh`: rank r owns experts `[r*E_l, (r+1)*E_l)`.
+
+    One host sync per `dispatch`: the all-to-all split sizes.
     """
-    group = _ep_group(ep_mesh)
-    world = ep_mesh.size()
-    num_experts = counts.numel()
-    if num_experts % world != 0:
-        raise ValueError(
-            f"MoE: num_experts={num_experts} is not divisible by the EP degree {world}"
-        )
-    local = num_experts // world
-    # counts is laid out [dest rank, local expert]; after the exchange recv_counts is
-    # [source rank, local expert]: how many rows each rank sends to each of my experts.
-    recv_counts = funcol.all_to_all_single(counts, None, None, group).view(world, local)
-    send_splits, recv_splits = torch.stack(
-        [counts.view(world, local).sum(1), recv_counts.sum(1)]
-    ).tolist()  # the one host sync of the layer
 
-    x_recv = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
-    # Received rows are ordered (source rank, local expert); the grouped GEMM wants them
-    # grouped by local expert. A stable sort on the local expert id keeps the source order.
-    recv_total = sum(recv_splits)
-    local_ids = torch.arange(local, device=counts.device).repeat(world)
-    local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=recv_total)
-    order = torch.argsort(local_ids, stable=True)
-    offs = torch.cumsum(recv_counts.sum(0), 0, dtype=torch.int32)
-    y_local = compute(x_recv[order], offs)
-    y_recv = y_local[_inverse_permutation(order)]
-    return funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        if ep_mesh.ndim != 1:
+            raise ValueError(
+                f"AllToAllDispatcher: ep_mesh must be 1-D, got {ep_mesh.ndim}-D "
+                f"{ep_mesh.mesh_dim_names}"
+            )
+        self.ep_mesh = ep_mesh
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.ep_mesh.get_group()
+
+    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor, _AllToAllHandle]:
+        world = self.ep_mesh.size()
+        counts = routing.counts
+        num_experts = counts.numel()
+        if num_experts % world != 0:
+            raise ValueError(
+                f"MoE: num_experts={num_experts} is not divisible by the EP degree {world}"
+            )
+        local = num_experts // world
+        x_sorted, perm = _permute(x, routing)
+        group = self.group
+        # counts is laid out [dest rank, local expert]; after the exchange recv_counts is
+        # [source rank, local expert]: how many rows each rank sends to each of my experts.
+        recv_counts = funcol.all_to_all_single(counts, None, None, group).view(world, local)
+        send_splits, recv_splits = torch.stack(
+            [counts.view(world, local).sum(1), recv_counts.sum(1)]
+        ).tolist()  # the one host sync of the layer
+        x_recv = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+        # Received rows are ordered (source rank, local expert); the grouped GEMM wants them
+        # grouped by local expert. A stable sort on the local expert id keeps the source order.
+        local_ids = torch.arange(local, device=counts.device).repeat(world)
+        local_ids = local_ids.repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv_splits)
+        )
+        order = torch.argsort(local_ids, stable=True)
+        offs = torch.cumsum(recv_counts.sum(0), 0, dtype=torch.int32)
+        handle = _AllToAllHandle(perm, order, send_splits, recv_splits)
+        return x_recv[order], offs, handle
+
+    def combine(self, y: Tensor, handle: _AllToAllHandle) -> Tensor:
+        y_recv = y[_inverse_permutation(handle.order)]
+        y_sorted = funcol.all_to_all_single_autograd(
+            y_recv, handle.send_splits, handle.recv_splits, self.group
+        )
+        return _unpermute(y_sorted, handle.perm)
+
+    def __repr__(self) -> str:
+        return f"AllToAllDispatcher(ep={self.ep_mesh.size()})"
+
+
+def default_dispatcher(ep_mesh: DeviceMesh | None) -> Dispatcher:
+    """`AllToAllDispatcher(ep_mesh)`, or `LocalDispatcher()` when `ep_mesh` is None."""
+    return LocalDispatcher() if ep_mesh is None else AllToAllDispatcher(ep_mesh)
 
 
 def routed_experts_forward(
@@ -80,32 +212,23 @@ def routed_experts_forward(
     num_experts: int,
     compute: Callable[[Tensor, Tensor], Tensor],
     ep_mesh: DeviceMesh | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> Tensor:
-    """Permute tokens to expert order, run the experts (locally or over EP), combine.
+    """Dispatch tokens to their experts, run them, combine.
 
     Args:
         x: `[T, H]` tokens of this rank.
         expert_ids: `[T, k]` int64 chosen experts (global ids). weights: `[T, k]` their weights.
         num_experts: E, the global expert count.
         compute: `(x_grouped [S, H], offs [E_local] int32) -> [S, H]`, the experts on this rank.
-        ep_mesh: the EP mesh, or None to run all experts here.
+        ep_mesh: the EP mesh, or None to run all experts here (ignored when `dispatcher` is set).
+        dispatcher: the dispatcher to use; default `default_dispatcher(ep_mesh)`.
 
     Returns:
         `[T, H]`: `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, in x's dtype.
     """
-    num_tokens, top_k = expert_ids.shape
-    flat_ids = expert_ids.reshape(-1)
-    # Stable: the rows of one expert keep token order, so results do not depend on the sort.
-    order = torch.argsort(flat_ids, stable=True)
-    x_sorted = x[order // top_k]
-    # scatter_add instead of bincount: no host sync for the max id on CUDA.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    if ep_mesh is None:
-        y_sorted = compute(x_sorted, torch.cumsum(counts, 0, dtype=torch.int32))
-    else:
-        y_sorted = _expert_parallel(x_sorted, counts, ep_mesh, compute)
-    y = y_sorted[_inverse_permutation(order)].view(num_tokens, top_k, y_sorted.shape[-1])
-    # Weighted sum over the k choices: deterministic, unlike index_add_ with repeated indices.
-    # In the promoted dtype (fp32 weights with bf16 tokens sum in fp32), as transformers does.
-    return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    if dispatcher is None:
+        dispatcher = default_dispatcher(ep_mesh)
+    routing = Routing.from_topk(expert_ids, weights, num_experts)
+    local_x, offs, handle = dispatcher.dispatch(x, routing)
+    return dispatcher.combine(compute(local_x, offs), handle)

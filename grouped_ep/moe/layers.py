@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
-from grouped_ep.moe.dispatch import routed_experts_forward
+from grouped_ep.moe.balance import RouterOutput, add_aux_loss_grad, load_balancing_loss
+from grouped_ep.moe.dispatch import Dispatcher, Routing, default_dispatcher
 
 __all__ = ["GroupedExperts", "MoE", "route", "swiglu_experts"]
 
@@ -106,13 +107,19 @@ class GroupedExperts(nn.Module):
 
 
 def route(
-    x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    expert_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Softmax top-k routing, as Qwen3-MoE and Mixtral do it.
+    """Softmax top-k routing, as Qwen3-MoE and Mixtral do it, with an optional selection bias.
 
     Args:
         x: `[T, H]`. router_weight: `[E, H]`.
         top_k: experts per token. norm_topk_prob: renormalize the k probabilities to sum to 1.
+        expert_bias: `[E]` added to the probabilities to choose the top k only (DeepSeek-V3's
+            auxiliary-loss-free balancing); the weights stay the unbiased probabilities.
 
     Returns:
         `(logits [T, E], weights [T, k] in x's dtype, expert_ids [T, k] int64)`. The softmax runs
@@ -120,7 +127,11 @@ def route(
     """
     logits = F.linear(x, router_weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if expert_bias is None:
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        expert_ids = torch.topk(probs.detach() + expert_bias, top_k, dim=-1).indices
+        weights = probs.gather(-1, expert_ids)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), expert_ids
@@ -129,10 +140,28 @@ def route(
 class MoE(nn.Module):
     """Sparse MoE block: softmax top-k router (Linear, no bias) and SwiGLU `GroupedExperts`.
 
-    forward(x `[..., H]`) -> `[..., H]`. Without EP every expert runs here. With EP (set by
-    `grouped_ep.parallel.apply_expert_parallel`), each rank keeps its own tokens; routed copies
-    go to the experts' ranks with `all_to_all_single` and come back the same way, autograd
-    flowing through both. One host sync per layer: the all-to-all split sizes.
+    `forward(x [..., H]) -> [..., H]`; with `return_router_outputs=True` it returns
+    `(out, RouterOutput(logits [T, E], tokens_per_expert [E], aux_loss))` instead.
+
+    Load balancing, chosen here (both may be on at once):
+
+    - `aux_loss_coef > 0`: the Switch/Mixtral auxiliary loss over this rank's tokens
+      (`grouped_ep.moe.balance.load_balancing_loss`). Its gradient, times the coefficient, is
+      added in the backward of the output, as if `aux_loss_coef * aux_loss` were part of the
+      loss backpropagated through it: nothing to add in the training loop. With gradient
+      accumulation (losses divided by N), call `grouped_ep.moe.set_aux_loss_scale(model, 1/N)`.
+    - `expert_bias_gamma=gamma`: DeepSeek-V3's auxiliary-loss-free balancing. A buffer
+      `expert_bias [E]` (fp32, saved in checkpoints) is added to the probabilities to choose the
+      experts, not to the combine weights. Training forwards count the tokens per expert;
+      `grouped_ep.moe.update_expert_bias(model)` after each optimizer step all-reduces the counts
+      of every layer once and moves each bias by `gamma` towards balance.
+
+    Dispatch: `dispatcher` (an object with `dispatch` and `combine`, see
+    `grouped_ep.moe.dispatch`) or, when None, `LocalDispatcher` without EP and
+    `AllToAllDispatcher(experts.ep_mesh)` once `grouped_ep.parallel.apply_expert_parallel` has
+    set that mesh. With EP, each rank keeps its own tokens; routed copies go to the experts'
+    ranks with `all_to_all_single` and come back the same way, autograd flowing through both.
+    One host sync per layer: the all-to-all split sizes.
     """
 
     def __init__(
@@ -144,21 +173,94 @@ class MoE(nn.Module):
         norm_topk_prob: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        *,
+        aux_loss_coef: float = 0.0,
+        expert_bias_gamma: float | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if aux_loss_coef < 0:
+            raise ValueError(f"MoE: aux_loss_coef must be >= 0, got {aux_loss_coef}")
+        if expert_bias_gamma is not None and expert_bias_gamma <= 0:
+            raise ValueError(f"MoE: expert_bias_gamma must be > 0 or None, got {expert_bias_gamma}")
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.num_experts = num_experts
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.aux_loss_grad_scale = 1.0  # see grouped_ep.moe.set_aux_loss_scale
+        self.expert_bias_gamma = None if expert_bias_gamma is None else float(expert_bias_gamma)
+        self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         self.experts = GroupedExperts(num_experts, hidden, intermediate, dtype=dtype, device=device)
+        if self.expert_bias_gamma is not None:
+            self.register_buffer(
+                "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+            )
+        # Training forwards' tokens per expert since the last bias update. Not a buffer: it is
+        # per-rank bookkeeping, never saved, and created where the tokens are.
+        self._load_counts: Tensor | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def reset_parameters(self) -> None:
+        """Fresh router and experts (nn.Linear's init) and a zero expert bias, e.g. after
+        `to_empty`."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.expert_bias_gamma is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+        self._load_counts = None
+
+    def take_load_counts(self) -> Tensor:
+        """`[E]` int64 tokens per expert routed by training forwards since the last call (zeros
+        when none ran); resets the count. Used by `update_expert_bias`."""
+        counts = self._load_counts
+        self._load_counts = None
+        if counts is None:
+            device = self.expert_bias.device if hasattr(self, "expert_bias") else None
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return counts
+
+    def forward(
+        self, x: Tensor, return_router_outputs: bool = False
+    ) -> Tensor | tuple[Tensor, RouterOutput]:
+        """x: `[..., H]` -> `[..., H]`, or `(out, RouterOutput)` with `return_router_outputs`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        _, weights, expert_ids = route(x, self.router.weight, self.top_k, self.norm_topk_prob)
-        out = routed_experts_forward(
-            x, expert_ids, weights, self.num_experts, self.experts, self.experts.ep_mesh
+        bias = getattr(self, "expert_bias", None)
+        logits, weights, expert_ids = route(
+            x, self.router.weight, self.top_k, self.norm_topk_prob, expert_bias=bias
         )
-        return out.view(shape)
+        routing = Routing.from_topk(expert_ids, weights, self.num_experts)
+        if self.training and bias is not None:
+            with torch.no_grad():
+                if self._load_counts is None:
+                    self._load_counts = torch.zeros_like(routing.counts)
+                self._load_counts += routing.counts
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            dispatcher = default_dispatcher(self.experts.ep_mesh)
+        local_x, offs, handle = dispatcher.dispatch(x, routing)
+        out = dispatcher.combine(self.experts(local_x, offs), handle).view(shape)
+        aux_loss = None
+        if self.aux_loss_coef > 0:
+            probs = torch.softmax(logits, dim=-1, dtype=weights.dtype)
+            aux_loss = load_balancing_loss(probs, routing.counts, self.top_k)
+            if torch.is_grad_enabled():
+                coef = self.aux_loss_coef * self.aux_loss_grad_scale
+                out = add_aux_loss_grad(out, aux_loss, coef)
+            aux_loss = aux_loss.detach()
+        if return_router_outputs:
+            return out, RouterOutput(logits, routing.counts, aux_loss)
+        return out
+
+    def extra_repr(self) -> str:
+        parts = [f"top_k={self.top_k}"]
+        if self.aux_loss_coef > 0:
+            parts.append(f"aux_loss_coef={self.aux_loss_coef}")
+        if self.expert_bias_gamma is not None:
+            parts.append(f"expert_bias_gamma={self.expert_bias_gamma}")
+        if self.dispatcher is not None:
+            parts.append(f"dispatcher={self.dispatcher!r}")
+        return ", ".join(parts)

@@ -1,0 +1,124 @@
+"""Load balancing for MoE routers: the Switch/Mixtral auxiliary loss and DeepSeek-V3's
+auxiliary-loss-free expert bias.
+
+- Auxiliary loss (Switch Transformer, Mixtral): `E * sum_i f_i * P_i`, where `f_i` is the
+  fraction of the `T * k` routed copies that went to expert i (no gradient) and `P_i` the mean
+  router probability of expert i over the T tokens. It is 1 for a perfectly balanced router with
+  uniform probabilities and grows to E when every token goes to one expert.
+- Expert bias (DeepSeek-V3, "auxiliary-loss-free"): a per-expert bias `b` added to the router
+  scores for the top-k *selection* only; the combine weights stay the unbiased probabilities.
+  After each optimizer step, `update_expert_bias(model)` adds `gamma * sign(mean load - load_i)`
+  to `b_i`, from the token counts of every rank since the last update (one all-reduce for all
+  layers). Overloaded experts get picked less, underloaded ones more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["RouterOutput", "load_balancing_loss", "set_aux_loss_scale", "update_expert_bias"]
+
+
+@dataclass
+class RouterOutput:
+    """What `MoE(x, return_router_outputs=True)` returns next to the hidden states.
+
+    logits: `[T, E]` router logits of the T tokens of this rank (differentiable).
+    tokens_per_expert: `[E]` int64 routed copies per expert from this rank's tokens.
+    aux_loss: the unscaled auxiliary loss (a detached scalar, for logging) when the layer has
+        `aux_loss_coef > 0`, else None. Its gradient, times the coefficient, is already in the
+        backward of the hidden states: do not add it to the loss again.
+    """
+
+    logits: Tensor
+    tokens_per_expert: Tensor
+    aux_loss: Tensor | None = None
+
+
+def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
+    """The Switch/Mixtral load-balancing loss `E * sum_i f_i * P_i` (see the module docstring).
+
+    Args:
+        probs: `[T, E]` router probabilities (softmax over experts), differentiable.
+        tokens_per_expert: `[E]` routed copies per expert (their sum is `T * top_k`).
+        top_k: experts per token.
+
+    Returns:
+        A scalar in `probs`' dtype; 0 when there are no tokens.
+    """
+    num_tokens, num_experts = probs.shape
+    if num_tokens == 0:
+        return probs.sum()
+    f = tokens_per_expert.to(probs.dtype) / (num_tokens * top_k)
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on `out`; backward also sends `coef` into `aux_loss`, as if `coef * aux_loss`
+    had been added to whatever loss is backpropagated through `out`."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
+        ctx.coef = coef
+        ctx.save_for_backward(aux_loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux_loss, ctx.coef), None
+
+
+def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
+    """`out`, unchanged, whose backward also backpropagates `coef * aux_loss`."""
+    return _AddAuxLossGrad.apply(out, aux_loss, coef)
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Scale the aux-loss gradient of every `MoE` of `model` by `scale` (default 1).
+
+    The aux loss reaches the gradient through the backward of each MoE output, so it does not
+    see how the training loop scales the loss. With gradient accumulation over N micro-batches
+    whose losses are divided by N, set `scale = 1 / N` (likewise for a loss scaler's factor),
+    so that the aux term is averaged like the loss. Data-parallel and EP ranks need nothing:
+    FSDP averages the gradients, aux terms included.
+    """
+    if scale < 0:
+        raise ValueError(f"set_aux_loss_scale: scale must be >= 0, got {scale}")
+    for module in model.modules():
+        if hasattr(module, "aux_loss_grad_scale"):
+            module.aux_loss_grad_scale = float(scale)
+
+
+def _balanced_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if getattr(m, "expert_bias_gamma", None) is not None]
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor | None:
+    """DeepSeek-V3's bias update for every `MoE` of `model` built with `expert_bias_gamma`.
+
+    Call once per optimizer step, on every rank, after `optimizer.step()`. Sums the token counts
+    each layer gathered in training forwards since the last update over the ranks of `group`
+    (default: the whole world, i.e. every data-parallel and EP rank) with one all-reduce for all
+    layers, then sets `bias += gamma * sign(counts.mean() - counts)` and clears the counts. Every
+    rank ends with the same bias.
+
+    Returns:
+        `[L, E]` int64 global tokens per expert of the L balanced layers (module order), or None
+        when `model` has none.
+    """
+    layers = _balanced_layers(model)
+    if not layers:
+        return None
+    counts = torch.stack([m.take_load_counts() for m in layers])  # [L, E] int64
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    for layer, load in zip(layers, counts):
+        load_f = load.to(layer.expert_bias.dtype)
+        layer.expert_bias.add_(layer.expert_bias_gamma * torch.sign(load_f.mean() - load_f))
+    return counts

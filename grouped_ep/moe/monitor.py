@@ -1,0 +1,111 @@
+"""Tokens per expert of a transformers MoE model, counted in its experts' forward.
+
+transformers v5 experts modules (`Qwen3MoeExperts`, `MixtralExperts`, ..., whatever
+`experts_implementation` they run, "grouped_ep" included) are called as
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])` with the router's
+choices. A forward pre-hook reads `top_k_index` there: no change to the model or its
+integration, one small `scatter_add` per layer and forward, no host sync.
+
+    counter = ExpertLoadCounter(model)      # hooks every experts module
+    ...train...
+    counts = counter.global_counts()        # [L, E] int64, summed over ranks (one all-reduce)
+    counter.remove()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from grouped_ep.moe.dispatch import tokens_per_expert
+
+__all__ = ["ExpertLoadCounter"]
+
+
+def _hf_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules with an int `num_experts` and a 3-D `gate_up_proj` whose forward takes the
+    router's `top_k_index` (transformers' experts interface)."""
+    from grouped_ep.moe.layers import GroupedExperts
+
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "gate_up_proj", None)
+        if (
+            isinstance(getattr(module, "num_experts", None), int)
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 3
+            and not isinstance(module, GroupedExperts)  # called with offs, not expert ids
+        ):
+            found.append((name, module))
+    return found
+
+
+class ExpertLoadCounter:
+    """Counts, per experts module of `model`, the routed token copies each expert received in
+    forwards while it is attached (training and eval alike; `reset()` between phases).
+
+    Args:
+        model: a transformers MoE model (any experts implementation; EP and FSDP2 allowed).
+
+    Raises:
+        ValueError: `model` has no transformers experts module.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        modules = _hf_experts_modules(model)
+        if not modules:
+            raise ValueError(
+                f"ExpertLoadCounter: {type(model).__name__} has no transformers experts module "
+                "(num_experts and a 3-D gate_up_proj, called with top_k_index)"
+            )
+        self.names = [name for name, _ in modules]
+        self.num_experts = [m.num_experts for _, m in modules]
+        self._counts: list[Tensor | None] = [None] * len(modules)
+        self._handles = [
+            m.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i, (_, m) in enumerate(modules)
+        ]
+
+    def _hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if ids is None:
+                raise ValueError(
+                    f"ExpertLoadCounter: {self.names[index]} was called without top_k_index"
+                )
+            with torch.no_grad():
+                counts = tokens_per_expert(ids.reshape(-1, ids.shape[-1]), module.num_experts)
+                seen = self._counts[index]
+                self._counts[index] = counts if seen is None else seen + counts
+
+        return hook
+
+    def local_counts(self) -> Tensor:
+        """`[L, E]` int64 copies per expert from this rank's tokens (zeros for unseen layers)."""
+        rows = []
+        for counts, experts in zip(self._counts, self.num_experts):
+            rows.append(torch.zeros(experts, dtype=torch.int64) if counts is None else counts.cpu())
+        return torch.stack(rows)
+
+    def global_counts(self, group: dist.ProcessGroup | None = None, device=None) -> Tensor:
+        """`[L, E]` int64 copies per expert summed over the ranks of `group` (default: all).
+        Collective when a process group is initialized: call on every rank. `device`: where the
+        all-reduce runs (the default device of the backend: CPU for gloo, CUDA for NCCL)."""
+        counts = self.local_counts()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            if device is None and dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            counts = counts.to(device) if device is not None else counts
+            dist.all_reduce(counts, group=group)
+        return counts.cpu()
+
+    def reset(self) -> None:
+        """Forget what was counted so far."""
+        self._counts = [None] * len(self._counts)
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

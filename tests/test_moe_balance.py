@@ -1,0 +1,227 @@
+"""MoE router outputs, load balancing (aux loss, expert bias) and swappable dispatch, single
+process, against hand-written references."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grouped_ep.moe import (
+    LocalDispatcher,
+    MoE,
+    RouterOutput,
+    Routing,
+    load_balancing_loss,
+    route,
+    set_aux_loss_scale,
+    update_expert_bias,
+)
+
+
+def aux_loss_ref(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch/Mixtral loss written out token by token: E * sum_i f_i * P_i."""
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    chosen = [set(probs[t].topk(top_k).indices.tolist()) for t in range(num_tokens)]
+    total = 0.0
+    for i in range(num_experts):
+        f_i = sum(1 for t in range(num_tokens) if i in chosen[t]) / (num_tokens * top_k)
+        p_i = sum(probs[t, i] for t in range(num_tokens)) / num_tokens
+        total = total + f_i * p_i
+    return num_experts * total
+
+
+def skewed_moe(**kwargs) -> tuple[MoE, torch.Tensor]:
+    """An 8-expert top-2 MoE whose router sends most tokens to experts 0 and 1, and the token
+    direction `d` that does it (tokens are `randn + d`)."""
+    torch.manual_seed(0)
+    moe = MoE(16, 16, 8, 2, **kwargs)
+    d = torch.randn(16)
+    d /= d.norm()
+    with torch.no_grad():
+        moe.router.weight.mul_(0.5)
+        moe.router.weight[:2] += 2.0 * d
+    return moe, d
+
+
+def test_plain_call_returns_hidden_states_only_and_router_outputs_on_request():
+    moe, d = skewed_moe()
+    x = torch.randn(3, 5, 16) + d
+    y = moe(x)
+    assert isinstance(y, torch.Tensor) and y.shape == x.shape
+    y2, out = moe(x, return_router_outputs=True)
+    assert isinstance(out, RouterOutput) and out.aux_loss is None
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+    flat = x.reshape(-1, 16)
+    torch.testing.assert_close(out.logits, flat @ moe.router.weight.T)
+    ids = torch.softmax(flat @ moe.router.weight.T, -1).topk(2).indices
+    assert out.tokens_per_expert.dtype == torch.int64
+    assert out.tokens_per_expert.tolist() == torch.bincount(ids.reshape(-1), minlength=8).tolist()
+    assert out.tokens_per_expert[:2].sum() > 15  # the skew is real: 0 and 1 take most of 30
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_aux_loss_matches_hand_written_reference(top_k):
+    torch.manual_seed(top_k)
+    logits = 2 * torch.randn(11, 6, dtype=torch.float64)
+    probs = torch.softmax(logits, -1)
+    counts = torch.bincount(probs.topk(top_k).indices.reshape(-1), minlength=6)
+    got = load_balancing_loss(probs, counts, top_k)
+    torch.testing.assert_close(got, aux_loss_ref(logits, top_k), atol=1e-12, rtol=0)
+    # Bounds: 1 for a uniform router and balanced counts, E when everything goes to expert 0.
+    uniform = torch.full((12, 6), 1 / 6, dtype=torch.float64)
+    balanced = torch.full((6,), 12 * top_k // 6)
+    assert abs(load_balancing_loss(uniform, balanced, top_k).item() - 1) < 1e-12
+    collapsed = torch.zeros(12, 6, dtype=torch.float64)
+    collapsed[:, 0] = 1
+    counts0 = torch.zeros(6, dtype=torch.int64)
+    counts0[0] = 12 * top_k
+    assert abs(load_balancing_loss(collapsed, counts0, top_k).item() - 6) < 1e-12
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25], ids=["scale1", "scale_quarter"])
+def test_moe_aux_loss_value_and_gradient_match_reference(scale):
+    """The output's backward adds scale * coef * d(aux)/d(params), exactly as an explicit loss
+    term (`set_aux_loss_scale`, e.g. 1/N for N accumulated micro-batches)."""
+    coef = 0.37
+    moe, d = skewed_moe(aux_loss_coef=coef)
+    moe.double()
+    set_aux_loss_scale(moe, scale)
+    plain = copy.deepcopy(moe)
+    plain.aux_loss_coef = 0.0
+    x = (torch.randn(20, 16) + d).double()
+    dy = torch.randn(20, 16, dtype=torch.float64)
+
+    y, out = moe(x, return_router_outputs=True)
+    ref_aux = aux_loss_ref(x @ moe.router.weight.detach().T, 2)
+    torch.testing.assert_close(out.aux_loss, ref_aux, atol=1e-12, rtol=0)
+    assert not out.aux_loss.requires_grad  # for logging; its gradient is already in y
+    (y * dy).sum().backward()
+
+    y_ref = plain(x)
+    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)  # the forward value is untouched
+    logits = x @ plain.router.weight.T
+    probs = torch.softmax(logits, -1)
+    counts = torch.bincount(probs.topk(2).indices.reshape(-1), minlength=8)
+    ((y_ref * dy).sum() + scale * coef * load_balancing_loss(probs, counts, 2)).backward()
+    for (name, p), q in zip(moe.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=name)
+    assert moe.router.weight.grad.abs().sum() > 0
+
+
+def test_expert_bias_changes_selection_not_weights():
+    x = torch.tensor([[3.0, 2.0, 0.0, 1.0]])
+    p = torch.softmax(x, -1)[0]
+    bias = torch.tensor([0.0, -1.0, 0.0, 0.0])  # expert 1 may not be chosen any more
+    _, weights, ids = route(x, torch.eye(4), 2, norm_topk_prob=False, expert_bias=bias)
+    assert ids.tolist() == [[0, 3]]
+    torch.testing.assert_close(weights[0], p[[0, 3]])  # unbiased probabilities
+    _, weights, _ = route(x, torch.eye(4), 2, expert_bias=bias)
+    torch.testing.assert_close(weights[0], p[[0, 3]] / p[[0, 3]].sum())
+
+
+def test_bias_update_rule_counts_only_training_forwards():
+    moe, d = skewed_moe(expert_bias_gamma=0.1)
+    assert "expert_bias" in moe.state_dict()  # a persistent buffer: checkpoints hold it
+    x = torch.randn(40, 16) + d
+    moe.eval()
+    moe(x)
+    assert update_expert_bias(moe).sum() == 0  # eval forwards are not counted
+    moe.train()
+    _, out1 = moe(x, return_router_outputs=True)
+    _, out2 = moe(x[:7], return_router_outputs=True)
+    counts = update_expert_bias(moe)
+    want = out1.tokens_per_expert + out2.tokens_per_expert
+    assert counts.tolist() == [want.tolist()]
+    load = want.double()
+    expected = 0.1 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(moe.expert_bias, expected.float())
+    assert moe.expert_bias[0] < 0  # the overloaded expert is pushed down
+    assert update_expert_bias(moe).sum() == 0  # the counts were cleared
+    assert update_expert_bias(torch.nn.Linear(2, 2)) is None
+
+
+def _train_skewed(gamma: float | None, steps: int = 200) -> tuple[float, float]:
+    moe, d = skewed_moe(expert_bias_gamma=gamma)
+    target = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    loads = []
+    for _ in range(steps):
+        x = torch.randn(256, 16, generator=g) + d
+        y, out = moe(x, return_router_outputs=True)
+        (y - target(x).detach()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if gamma is not None:
+            update_expert_bias(moe)
+        loads.append(out.tokens_per_expert.double())
+    first = loads[0]
+    last = torch.stack(loads[-20:]).sum(0)  # the last 20 steps: 10240 routed copies
+    return (first.max() / first.mean()).item(), (last.max() / last.mean()).item()
+
+
+def test_expert_bias_balances_a_skewed_router_and_without_it_the_skew_stays():
+    start, end = _train_skewed(gamma=3e-3)
+    start_plain, end_plain = _train_skewed(gamma=None)
+    print(
+        f"max/mean tokens per expert over 200 steps: with expert bias {start:.2f} -> {end:.3f}, "
+        f"without {start_plain:.2f} -> {end_plain:.3f}"
+    )
+    assert start > 2.5 and start_plain > 2.5
+    assert end < 1.3
+    assert end_plain > 2.5
+
+
+class CountingDispatcher:
+    """A user dispatcher: LocalDispatcher's work, plus a record of the calls."""
+
+    def __init__(self) -> None:
+        self.inner, self.calls = LocalDispatcher(), []
+
+    def dispatch(self, x, routing):
+        self.calls.append(("dispatch", routing.counts.tolist()))
+        return self.inner.dispatch(x, routing)
+
+    def combine(self, y, handle):
+        self.calls.append(("combine", y.shape[0]))
+        return self.inner.combine(y, handle)
+
+
+def test_model_code_can_pass_its_own_dispatcher():
+    moe, d = skewed_moe()
+    custom = copy.deepcopy(moe)
+    custom.dispatcher = CountingDispatcher()
+    x = torch.randn(9, 16) + d
+    y, out = custom(x, return_router_outputs=True)
+    torch.testing.assert_close(y, moe(x), atol=0, rtol=0)
+    assert custom.dispatcher.calls == [
+        ("dispatch", out.tokens_per_expert.tolist()),
+        ("combine", 18),
+    ]
+
+
+def test_local_dispatcher_groups_by_expert_and_combines_with_weights():
+    x = torch.arange(12.0).view(3, 4)
+    ids = torch.tensor([[2, 0], [0, 1], [2, 2]])
+    weights = torch.tensor([[0.5, 0.25], [1.0, 2.0], [0.1, 0.2]])
+    routing = Routing.from_topk(ids, weights, 4)
+    assert routing.counts.tolist() == [2, 1, 3, 0]
+    disp = LocalDispatcher()
+    local_x, offs, handle = disp.dispatch(x, routing)
+    assert offs.dtype == torch.int32 and offs.tolist() == [2, 3, 6, 6]
+    # expert 0: tokens 0, 1; expert 1: token 1; expert 2: tokens 0, 2, 2 (token order kept)
+    torch.testing.assert_close(local_x, x[[0, 1, 1, 0, 2, 2]])
+    y = disp.combine(local_x * 10, handle)
+    torch.testing.assert_close(y, 10 * x * weights.sum(1, keepdim=True))
+    with pytest.raises(ValueError, match="expert_ids"):
+        Routing.from_topk(ids, weights[:, :1], 4)
+
+
+def test_bad_balancing_arguments_are_named():
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        MoE(8, 8, 4, 2, aux_loss_coef=-1.0)
+    with pytest.raises(ValueError, match="expert_bias_gamma"):
+        MoE(8, 8, 4, 2, expert_bias_gamma=0.0)
