@@ -19,6 +19,9 @@ TORCH_LIBRARY(grouped_ep, m) {
   // Weight gradient, the "ragged K" product: out[g] = x_g^T @ dy_g ([E, K, N]), or
   // dy_g^T @ x_g ([E, N, K]) with trans_w. Groups with no rows give exact zeros.
   m.def("gemm_wgrad(Tensor x, Tensor dy, Tensor offs, bool trans_w=False) -> Tensor");
+  // What the CPU gemm does for `dtype` on this CPU: "native: avx512_bf16", "widen to fp32: ...",
+  // chosen at run time from CPU capability (GROUPED_EP_CPU_HALF_GEMM=native|widen overrides).
+  m.def("cpu_gemm_path(ScalarType dtype) -> str");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------
   // Copies byte ranges of the files `paths` into the storage of `outs` (contiguous CPU tensors)
