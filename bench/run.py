@@ -44,6 +44,19 @@ def device_name(device: str) -> str:
     return f"{model} ({torch.get_num_threads()} threads)"
 
 
+def cpu_capability() -> str:
+    """torch's CPU capability (the ATen kernel level, e.g. AVX512) and the low-precision matrix
+    features cpuinfo reports, e.g. "AVX512; avx512_bf16"."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    try:
+        flags = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):  # older torch: no feature map
+        return cap
+    names = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16")
+    have = [n for n in names if flags.get(n) is True]
+    return f"{cap}; {', '.join(have) if have else 'no amx/avx512 bf16/fp16'}"
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_type": args.device,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "cpu_capability": cpu_capability(),
         "date": stamp.strftime("%Y-%m-%d %H:%M UTC"),
         "quick": args.quick,
         "suites": {},
@@ -160,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     base = args.out / f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
     md = [
         f"# grouped_ep benchmarks\n\ndevice: {name}; torch {torch.__version__}; "
+        f"CPU capability: {report['cpu_capability']}; "
         f"date: {report['date']}; quick: {args.quick}\n"
     ]
+    print(f"device: {name}; torch {torch.__version__}; CPU capability: {report['cpu_capability']}")
     for suite in suites:
         module = importlib.import_module(f"suites.{suite}")
         print(f"== {suite}: {module.TITLE}", flush=True)

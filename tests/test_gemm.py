@@ -186,3 +186,71 @@ def test_bad_input_wgrad(args, message):
 def test_bad_input_device_mismatch_named():
     with pytest.raises(RuntimeError, match="w is on meta but x is on cpu|device"):
         torch.ops.grouped_ep.gemm(X, W.to("meta"), OFFS, False)
+
+
+# ---- bf16/fp16 paths: native (oneDNN) where the CPU has it, widened to fp32 elsewhere -----------
+# The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM forces either path, so both are
+# checked on every CPU (a forced native path on a CPU without the feature is slow, not wrong).
+
+HALF = [torch.bfloat16, torch.float16]
+HALF_IDS = ["bf16", "fp16"]
+
+
+@pytest.mark.parametrize("path", ["native", "widen"])
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_half_paths_match_reference(monkeypatch, path, dtype, pattern, trans_w):
+    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
+    assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(
+        "native" if path == "native" else "widen"
+    )
+    x, w, offs = make_case(pattern, k=48, n=40, dtype=dtype, trans_w=trans_w)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert_close(out, gemm_ref(x, w, offs, trans_w), dtype)
+    used = int(offs[-1])
+    assert torch.all(out[used:] == 0)
+    dy = (torch.randn(x.shape[0], 40, dtype=torch.float64) / 40**0.5).to(dtype)
+    dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
+    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), dtype)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.all(dw[sizes == 0] == 0)
+
+
+@pytest.mark.parametrize("path", ["native", "widen"])
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
+    # 2048 products of 1 * (1 + 2^-7): exactly 2064 with fp32 accumulation (representable in
+    # bf16 and fp16); a half-precision running sum stalls far below it (ulp 2 past 2048 in bf16,
+    # and 1 + 2^-7 is lost against a sum of 256 in bf16 already).
+    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
+    k, value = 2048, 1 + 2**-7
+    x = torch.ones(3, k, dtype=dtype)
+    w = torch.full((2, k, 4), value, dtype=dtype)
+    offs = offsets([1, 2])
+    assert torch.all(grouped_ep.gemm(x, w, offs) == 2064)
+    # Weight gradient: the sum runs over the 2048 rows of one group.
+    xt, dy = torch.ones(k, 3, dtype=dtype), torch.full((k, 4), value, dtype=dtype)
+    dw = grouped_ep.gemm_wgrad(xt, dy, offsets([0, k]))
+    assert torch.all(dw[0] == 0) and torch.all(dw[1] == 2064)
+
+
+def test_half_path_follows_cpu_capability(monkeypatch):
+    monkeypatch.delenv("GROUPED_EP_CPU_HALF_GEMM", raising=False)
+    flags = torch._C._cpu._get_cpu_capability()
+    native = torch.backends.mkldnn.is_available()
+    expect = {
+        torch.bfloat16: native and bool(flags.get("amx_bf16") or flags.get("avx512_bf16")),
+        torch.float16: native and bool(flags.get("amx_fp16") or flags.get("avx512_fp16")),
+    }
+    for dtype, is_native in expect.items():
+        path = torch.ops.grouped_ep.cpu_gemm_path(dtype)
+        assert path.startswith("native" if is_native else "widen"), (dtype, path, flags)
+    assert torch.ops.grouped_ep.cpu_gemm_path(torch.float32) == "as is: Float"
+
+
+def test_half_path_bad_env_named(monkeypatch):
+    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", "fast")
+    x, w, offs = make_case("balanced", k=8, n=4, dtype=torch.bfloat16, trans_w=False)
+    with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be"):
+        grouped_ep.gemm(x, w, offs)

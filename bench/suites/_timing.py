@@ -9,8 +9,27 @@ from collections.abc import Callable
 import torch
 
 
-def median_seconds(fn: Callable[[], object], device: str, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
+def median_seconds(
+    fn: Callable[[], object],
+    device: str,
+    reps: int = 10,
+    warmup: int = 2,
+    budget_s: float | None = None,
+) -> float:
+    """Median wall time of `reps` calls of `fn` after `warmup` calls. With `budget_s` (CPU), a
+    call so slow that warm-up plus repeats would pass the budget cuts both down (at least one
+    warm-up call and one timed call)."""
+    if budget_s is not None and not device.startswith("cuda"):
+        t0 = time.perf_counter()
+        fn()
+        first = time.perf_counter() - t0
+        if first > 0:
+            fit = int(budget_s / first)
+            warmup = min(warmup - 1, max(0, fit - reps))
+            reps = max(1, min(reps, fit))
+        else:
+            warmup -= 1
+    for _ in range(max(0, warmup)):
         fn()
     times = []
     if device.startswith("cuda"):

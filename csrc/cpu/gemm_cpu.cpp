@@ -4,13 +4,24 @@
 // group. Threads pull tasks from a shared counter (largest first), so many small groups and a
 // few large ones both keep every core busy. Inside a task one BLAS call does the FLOPs; inside
 // at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription.
-// bf16/fp16 tiles are widened to fp32 for the product (fp32 accumulation) and narrowed once.
+//
+// bf16/fp16 take one of two paths, chosen at run time per (dtype, CPU) by `half_path`:
+// - native: the tiles go to at::mm as they are, so oneDNN runs its AMX / AVX512-BF16 /
+//   AVX512-FP16 kernels (the ones torch.mm uses for that dtype on this CPU), fp32 accumulation
+//   inside, one rounding at the end;
+// - widen: on CPUs without native low-precision GEMM, where torch's own bf16/fp16 matmul is
+//   slow, tiles are widened to fp32 for the product and narrowed once.
+// GROUPED_EP_CPU_HALF_GEMM=native|widen overrides the choice (tests run both on any CPU).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "checks.h"
@@ -67,14 +78,75 @@ void run_tasks(const std::vector<Task>& tasks, const Fn& fn) {
   });
 }
 
-// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view.
-void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+// The CPU features (cpuinfo names, as at::cpu::get_cpu_capabilities() spells them) that give
+// oneDNN a native GEMM for `dt`; the same conditions under which torch.mm itself takes oneDNN's
+// low-precision kernels for that dtype.
+const char* const* native_features(at::ScalarType dt) {
+  static const char* const bf16[] = {"amx_bf16", "avx512_bf16", nullptr};
+  static const char* const fp16[] = {"amx_fp16", "avx512_fp16", nullptr};
+  return dt == at::kBFloat16 ? bf16 : fp16;
+}
+
+// The first native feature this CPU has for `dt`, or "" (computed once per dtype).
+std::string native_feature(at::ScalarType dt) {
+  auto detect = [](at::ScalarType d) -> std::string {
+    if (!at::hasMKLDNN()) return "";
+    const auto caps = at::cpu::get_cpu_capabilities();
+    for (const char* const* f = native_features(d); *f; ++f) {
+      const auto it = caps.find(*f);
+      if (it != caps.end() && it->second.isBool() && it->second.toBool()) return *f;
+    }
+    return "";
+  };
+  static const std::string bf16 = detect(at::kBFloat16), fp16 = detect(at::kHalf);
+  return dt == at::kBFloat16 ? bf16 : fp16;
+}
+
+enum class HalfPath { kNative, kWiden };
+
+// The path for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
+// given, gets a short reason for the bench output.
+HalfPath half_path(at::ScalarType dt, std::string* why = nullptr) {
+  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
+  if (env && *env && std::strcmp(env, "auto") != 0) {
+    const bool native = std::strcmp(env, "native") == 0;
+    GE_CHECK(native || std::strcmp(env, "widen") == 0,
+             "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
+             " must be 'auto', 'native' or 'widen'");
+    if (why) *why = "forced by GROUPED_EP_CPU_HALF_GEMM";
+    return native ? HalfPath::kNative : HalfPath::kWiden;
+  }
+  const auto feature = native_feature(dt);
+  if (why) {
+    *why = feature.empty() ? std::string("no amx/avx512 ") + (dt == at::kBFloat16 ? "bf16" : "fp16") +
+                                 (at::hasMKLDNN() ? "" : " (torch without oneDNN)")
+                           : feature;
+  }
+  return feature.empty() ? HalfPath::kWiden : HalfPath::kNative;
+}
+
+// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view; `path` is
+// half_path(dtype), looked up once per call of the op, not per tile.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, HalfPath path) {
   const auto dt = out.scalar_type();
-  if (dt == at::kFloat || dt == at::kDouble) {
+  if (dt == at::kFloat || dt == at::kDouble || path == HalfPath::kNative) {
     at::mm_out(out, a, b);
   } else {
     out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
   }
+}
+
+HalfPath path_for(at::ScalarType dt) {
+  return (dt == at::kBFloat16 || dt == at::kHalf) ? half_path(dt) : HalfPath::kNative;
+}
+
+// "fp32", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
+// `dtype` on this CPU now (the bench prints it).
+std::string cpu_gemm_path(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
+  std::string why;
+  const auto path = half_path(dtype, &why);
+  return (path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& offs,
@@ -104,10 +176,11 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
     rows[g] = ends[g] - starts[g];
   }
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
+  const auto path = path_for(x.scalar_type());
   run_tasks(tasks, [&](const Task& t) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
     const auto w_g = trans_w ? w.select(0, t.group).t() : w.select(0, t.group);
-    mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g);
+    mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g, path);
   });
   return out;
 }
@@ -140,11 +213,12 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
     row_flops[g] = 2.0 * rows[g] * Q;
   }
   const auto tasks = plan_tasks(out_rows, row_flops);
+  const auto path = path_for(x.scalar_type());
   run_tasks(tasks, [&](const Task& t) {
     const int64_t g = t.group, n = t.end - t.begin;
     const auto a_g = a.narrow(0, starts[g], rows[g]).narrow(1, t.begin, n);
     const auto b_g = b.narrow(0, starts[g], rows[g]);
-    mm_into(out.select(0, g).narrow(0, t.begin, n), a_g.t(), b_g);
+    mm_into(out.select(0, g).narrow(0, t.begin, n), a_g.t(), b_g, path);
   });
   return out;
 }
@@ -154,6 +228,11 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
 TORCH_LIBRARY_IMPL(grouped_ep, CPU, m) {
   m.impl("gemm", &gemm_cpu);
   m.impl("gemm_wgrad", &gemm_wgrad_cpu);
+}
+
+// No tensor argument to dispatch on: one kernel for every backend.
+TORCH_LIBRARY_IMPL(grouped_ep, CompositeExplicitAutograd, m) {
+  m.impl("cpu_gemm_path", &cpu_gemm_path);
 }
 
 }  // namespace grouped_ep
