@@ -15,10 +15,10 @@
 #include <algorithm>
 #include <string>
 #include <system_error>
-#include <thread>
 #include <vector>
 
 #include "checks.h"
+#include "io/join_all.h"
 
 namespace grouped_ep {
 namespace {
@@ -86,17 +86,16 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
   const int64_t workers = std::max<int64_t>(
       1, std::min<int64_t>({threads, rows, (rows * C) / (64 << 10)}));
   const int64_t per = (rows + workers - 1) / workers;
-  std::vector<std::thread> pool;
+  JoinAll pool(static_cast<size_t>(workers - 1));
   for (int64_t w = 1; w < workers; ++w) {
     const int64_t begin = w * per, end = std::min(rows, (w + 1) * per);
     try {
-      pool.emplace_back(work, begin, end);
+      pool.start(work, begin, end);
     } catch (const std::system_error&) {  // no thread to be had (a loaded machine): do it here
       work(begin, end);
     }
   }
   work(0, std::min(rows, per));
-  for (auto& t : pool) t.join();
 }
 
 // q: uint8 [A, R, C] (fp8 bytes) or [A, R, C/2] (mxfp4); scale: float32 [A, SR, SC] contiguous;

@@ -33,10 +33,10 @@
 #include <exception>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "checks.h"
+#include "io/join_all.h"
 
 namespace grouped_ep {
 namespace {
@@ -136,28 +136,6 @@ class Files {
  private:
   const std::vector<std::string>& paths_;
   std::vector<int> fds_;
-};
-
-// Joins every thread it holds when it goes out of scope, whatever the path: a std::thread
-// destroyed while joinable calls std::terminate ("terminate called without an active
-// exception"), and a thread still running would read this call's freed locals.
-class JoinAll {
- public:
-  explicit JoinAll(size_t n) { threads_.reserve(n); }
-  ~JoinAll() {
-    for (auto& t : threads_) {
-      if (t.joinable()) t.join();
-    }
-  }
-  JoinAll(const JoinAll&) = delete;
-  JoinAll& operator=(const JoinAll&) = delete;
-  template <class F>
-  void start(F&& f) {
-    threads_.emplace_back(std::forward<F>(f));
-  }
-
- private:
-  std::vector<std::thread> threads_;
 };
 
 // Reads exactly the chunk's bytes into its segments; returns an empty string, or what went wrong.

@@ -33,11 +33,11 @@ def default_threads() -> int:
 
 
 def _file_order(target: Target) -> tuple[int, int]:
-    """(file, first byte) of the target's first range: targets are read in file order."""
+    """(file, first byte) of the target's first range: targets are read in file order. Its
+    rows come from `plan.coalesce`, sorted by (file, offset) already."""
     if len(target.rows) == 0:
         return (0, 0)
-    first = np.lexsort((target.rows[:, 1], target.rows[:, 0]))[0]
-    return (int(target.rows[first, 0]), int(target.rows[first, 1]))
+    return (int(target.rows[0, 0]), int(target.rows[0, 1]))
 
 
 class Progress:

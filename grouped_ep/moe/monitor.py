@@ -24,21 +24,17 @@ __all__ = ["ExpertLoadCounter"]
 
 
 def _hf_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules with an int `num_experts` and a 3-D `gate_up_proj` whose forward takes the
-    router's `top_k_index` (transformers' experts interface)."""
+    """The experts modules of `model` (`grouped_ep.parallel.is_experts_module`) whose forward
+    takes the router's `top_k_index` (transformers' experts interface): all but GroupedExperts,
+    which is called with offs instead."""
     from grouped_ep.moe.layers import GroupedExperts
+    from grouped_ep.parallel import is_experts_module  # imports grouped_ep.moe: not at the top
 
-    found = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "gate_up_proj", None)
-        if (
-            isinstance(getattr(module, "num_experts", None), int)
-            and isinstance(weight, torch.Tensor)
-            and weight.dim() == 3
-            and not isinstance(module, GroupedExperts)  # called with offs, not expert ids
-        ):
-            found.append((name, module))
-    return found
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if is_experts_module(module) and not isinstance(module, GroupedExperts)
+    ]
 
 
 class ExpertLoadCounter:
@@ -57,7 +53,7 @@ class ExpertLoadCounter:
         if not modules:
             raise ValueError(
                 f"ExpertLoadCounter: {type(model).__name__} has no transformers experts module "
-                "(num_experts and a 3-D gate_up_proj, called with top_k_index)"
+                "(num_experts, 3-D gate_up_proj or up_proj and down_proj, called with top_k_index)"
             )
         self.names = [name for name, _ in modules]
         self.num_experts = [m.num_experts for _, m in modules]
