@@ -470,3 +470,35 @@ def test_meta_model_onto_cuda(tmp_path, monkeypatch, dtype):
         got = _state(model)[k]
         assert got.device.type == "cuda" and got.dtype == dtype
         assert torch.equal(got.cpu(), v.to(dtype)), k
+
+
+def test_plain_model_load_does_not_import_transformers(tmp_path):
+    """A plain torch model has no transformers key conversion to look up: load_sharded must not
+    import transformers for it (the import takes seconds, once per rank process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from safetensors.torch import save_file
+
+    # Per-expert keys for a fused [E, H, I] parameter: the name is not in the checkpoint, so
+    # the key rules run (the lookup of transformers' conversion among them).
+    keys = {f"mlp.experts.{i}.down_proj.weight": torch.full((4, 3), float(i)) for i in range(2)}
+    save_file(keys, str(tmp_path / "model.safetensors"))
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        from grouped_ep import load_sharded
+        model = torch.nn.Module()
+        model.mlp = torch.nn.Module()
+        model.mlp.experts = torch.nn.Module()
+        model.mlp.experts.down_proj = torch.nn.Parameter(torch.empty(2, 4, 3, device="meta"))
+        load_sharded(model, {str(tmp_path)!r}, device="cpu", progress=False)
+        assert model.mlp.experts.down_proj[1].eq(1).all()
+        print("transformers" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

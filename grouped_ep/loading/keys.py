@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -68,6 +69,13 @@ def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=Non
     return layouts
 
 
+def is_transformers_model(model) -> bool:
+    """Whether `model` is a transformers `PreTrainedModel`, without importing transformers: such
+    a model means transformers is imported already, and the import costs seconds."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
+
 def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     """Where transformers' own save-time conversion puts the model tensor `name` on disk.
 
@@ -78,12 +86,11 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     not a transformers model, no conversion for `name`, or a conversion that is not a set of
     boxes (e.g. a transpose), which `key_map=` must then name.
     """
+    if not is_transformers_model(model) or not shape or 0 in shape:
+        return None
     try:
-        from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
-        return None
-    if not isinstance(model, PreTrainedModel) or not shape or 0 in shape:
         return None
     nd = len(shape)
     probes = []
