@@ -2,6 +2,7 @@
 #   make demo   the main job end to end (CPU by default)
 #   make test   all tests
 #   make bench  microbenchmarks (python bench/run.py)
+#   make hf-table  rerun the transformers family tests and regenerate the README table
 # GROUPED_EP_CUDA=0 builds the CPU kernels only (fast, for iteration).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 PYTEST_ARGS ?=
 
-.PHONY: venv cutlass build test demo bench lint clean
+.PHONY: venv cutlass build test demo bench lint clean hf-table
 
 $(VENV)/.deps: requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +31,8 @@ build: venv $(if $(filter 0,$(GROUPED_EP_CUDA)),,cutlass)
 	$(PY) setup.py -q build_ext --inplace
 
 test: build
-	$(PY) -m ruff check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m ruff check grouped_ep tests bench tools setup.py third_party/fetch_cutlass.py
+	$(PY) -m pytest -q --junitxml=build/test-results.xml $(PYTEST_ARGS) tests
 
 demo: build
 	$(PY) -m grouped_ep.demo $(DEMO_ARGS)
@@ -39,9 +40,13 @@ demo: build
 bench: build
 	$(PY) bench/run.py $(BENCH_ARGS)
 
+# The README's transformers compatibility table, from a run of the family tests.
+hf-table: build
+	$(PY) tools/hf_table.py --run
+
 lint: venv
-	$(PY) -m ruff check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
-	$(PY) -m ruff format --check grouped_ep tests bench setup.py third_party/fetch_cutlass.py
+	$(PY) -m ruff check grouped_ep tests bench tools setup.py third_party/fetch_cutlass.py
+	$(PY) -m ruff format --check grouped_ep tests bench tools setup.py third_party/fetch_cutlass.py
 
 clean:
 	rm -rf build grouped_ep/_C*.so

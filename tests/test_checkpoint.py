@@ -163,6 +163,33 @@ def test_model_that_does_not_fit_is_named(saved: Path) -> None:
         ck.load(saved, model)
 
 
+def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
+    """A parameter that never had a gradient has no AdamW state when saved; it resumes stateless
+    while the others get their state back. Part of a parameter's state missing is a mismatch."""
+    model = Small()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.dense(torch.ones(5)).sum().backward()  # `experts` gets no gradient, so no state
+    opt.step()
+    assert model.experts not in opt.state
+    ck.save(tmp_path, model, opt, step=1)
+
+    fresh = Small(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    ck.load(tmp_path, fresh, fresh_opt)
+    assert fresh.experts not in fresh_opt.state
+    torch.testing.assert_close(fresh.experts, model.experts, rtol=0, atol=0)
+    for key in ("exp_avg", "exp_avg_sq"):
+        got = fresh_opt.state[fresh.dense.weight][key]
+        torch.testing.assert_close(got, opt.state[model.dense.weight][key], rtol=0, atol=0)
+
+    # the same checkpoint with one of dense.weight's state tensors gone is refused, by name
+    meta = pickle.loads((tmp_path / "step-00000001" / ".metadata").read_bytes())
+    del meta.state_dict_metadata["optim.state.dense.weight.exp_avg_sq"]
+    (tmp_path / "step-00000001" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(ck.CheckpointError, match="optim.state.dense.weight.exp_avg_sq"):
+        ck.load(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+
+
 def test_inspect_lists_chunks_and_checks_coverage(saved: Path, capsys) -> None:
     assert cli(["inspect", str(saved.parent)]) == 0
     out = capsys.readouterr().out

@@ -162,6 +162,53 @@ def test_unsupported_experts_raise_clearly():
         grouped_ep.hf.grouped_ep_experts_forward(experts, x, ids, torch.full((3, 2), 0.5))
 
 
+def test_unsupported_experts_are_refused_when_the_implementation_is_set(tmp_path):
+    """Not at the first forward: set_experts_implementation, from_pretrained(...,
+    experts_implementation="grouped_ep") and parallelize refuse, naming family and feature."""
+    model = make_model("mixtral")
+    model.set_experts_implementation("eager")
+    model.save_pretrained(tmp_path)
+    experts = next(m for m in model.modules() if is_experts_module(m))
+    experts.is_concatenated = False  # interleaved gate/up, but Mixtral's default _apply_gate
+    feature = r"mixtral \(MixtralExperts\): interleaved gate/up \(is_concatenated=False\)"
+    with pytest.raises(NotImplementedError, match=feature):
+        model.set_experts_implementation("grouped_ep")
+    assert model.config._experts_implementation == "eager"  # unchanged
+    with pytest.raises(NotImplementedError, match=feature):
+        grouped_ep.hf.parallelize(model, None)
+
+    # at construction: the check runs in post_init, before any weight is read
+    original = transformers.models.mixtral.modeling_mixtral.MixtralExperts.__init__
+
+    def interleaved_init(self, config):
+        original(self, config)
+        self.is_concatenated = False
+
+    transformers.models.mixtral.modeling_mixtral.MixtralExperts.__init__ = interleaved_init
+    try:
+        with pytest.raises(NotImplementedError, match=feature):
+            transformers.MixtralForCausalLM.from_pretrained(
+                tmp_path, experts_implementation="grouped_ep"
+            )
+        assert (
+            transformers.MixtralForCausalLM.from_pretrained(
+                tmp_path, experts_implementation="eager"
+            )
+            is not None
+        )
+    finally:
+        transformers.models.mixtral.modeling_mixtral.MixtralExperts.__init__ = original
+    # unregister removes the check with the implementation; register brings both back
+    grouped_ep.hf.unregister()
+    try:
+        with pytest.raises(ValueError, match="grouped_ep"):
+            model.set_experts_implementation("grouped_ep")
+    finally:
+        grouped_ep.hf.register()
+    with pytest.raises(NotImplementedError, match=feature):
+        model.set_experts_implementation("grouped_ep")
+
+
 def _ep_rank(rank: int, world: int, kinds: list[str]):
     from torch.distributed.tensor import DTensor
 

@@ -136,6 +136,27 @@ def _check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
 
 
+def _stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
+    """The parameters that have optimizer state now but none at all in the checkpoint.
+
+    An optimizer keeps no state for a parameter that has not had a gradient yet (a layer the
+    data never reached, an expert no token picked). Such a parameter is resumed stateless, as
+    it was saved; a parameter with only part of its state saved is a mismatch (`_check_fits`).
+    """
+    saved = info.metadata.state_dict_metadata
+    prefixes = {key.rsplit(".", 1)[0] for key in saved if key.startswith("optim.state.")}
+    own = state.get("optim", {}).get("state", {})
+    return [fqn for fqn in own if f"optim.state.{fqn}" not in prefixes]
+
+
+def _without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
+    if not stateless:
+        return state
+    optim = dict(state["optim"])
+    optim["state"] = {k: v for k, v in optim["state"].items() if k not in set(stateless)}
+    return state | {"optim": optim}
+
+
 # ---- save / load --------------------------------------------------------------------------------
 
 
@@ -295,10 +316,12 @@ def load(
         manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
-        _check_fits(info, current)  # global shapes: the same on every rank
-        return str(ckpt), manifest
+        stateless = _stateless_params(info, current) if optimizer is not None else []
+        _check_fits(info, _without(current, stateless))  # global shapes: the same on every rank
+        return str(ckpt), manifest, stateless
 
-    ckpt_s, manifest = on_rank0(check)
+    ckpt_s, manifest, stateless = on_rank0(check)
+    current = _without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
@@ -318,8 +341,14 @@ def load(
     if optimizer is None:
         set_model_state_dict(model, current["model"])
     else:
+        # strict=False lets the stateless parameters (checked above) stay without state; every
+        # other key was checked against the checkpoint and read.
         set_state_dict(
-            model, optimizer, model_state_dict=current["model"], optim_state_dict=current["optim"]
+            model,
+            optimizer,
+            model_state_dict=current["model"],
+            optim_state_dict=current["optim"],
+            options=StateDictOptions(strict=not stateless),
         )
     if not extra_file.is_file():
         return None

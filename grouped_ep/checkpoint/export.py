@@ -45,7 +45,7 @@ from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.layout import write_text_atomic
 from grouped_ep.checkpoint.safetensors_writer import PlannedTensor, StreamingSafetensorsWriter
-from grouped_ep.loading.keys import is_transformers_model
+from grouped_ep.loading.keys import is_transformers_model, revert_conversion
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -92,9 +92,7 @@ def split_expert_tensor(name: str, full: torch.Tensor) -> list[tuple[str, torch.
 def hf_items(model: nn.Module, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The (key, tensor) pairs a Hugging Face checkpoint holds for the model tensor `name`."""
     if is_transformers_model(model):
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return list(revert_weight_conversion(model, {name: full}).items())
+        return list(revert_conversion(model, {name: full}).items())
     return split_expert_tensor(name, full) or [(name, full)]  # our own split for stacked experts
 
 

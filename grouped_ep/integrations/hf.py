@@ -18,12 +18,15 @@ documented extension point), so both of these work:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+from transformers.modeling_utils import PreTrainedModel
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep.loading.buffers import fresh_buffers
@@ -54,7 +57,10 @@ def check_supported(experts: nn.Module) -> None:
 
     Supported: fused `gate_up_proj [E, 2I, H]` (or `up_proj [E, I, H]` without a gate) and
     `down_proj`, either layout (`is_transposed`), per-expert biases (`*_bias [E, N]`), the
-    module's own `_apply_gate` (gpt-oss's interleaved, clamped SwiGLU), `post_expert_norm`."""
+    module's own `_apply_gate` (gpt-oss's interleaved, clamped SwiGLU), `post_expert_norm`.
+    Runs when the implementation is set (`set_experts_implementation`, `from_pretrained(...,
+    experts_implementation="grouped_ep")`, `parallelize`), so nothing fails at the first forward.
+    """
     problems = []
     if not isinstance(getattr(experts, "num_experts", None), int):
         problems.append("no int num_experts")
@@ -68,6 +74,9 @@ def check_supported(experts: nn.Module) -> None:
             b = getattr(experts, f"{name}_bias", None)
             if not isinstance(b, torch.Tensor) or b.dim() != 2:
                 problems.append(f"has_bias without a 2-D {name}_bias")
+    gate = getattr(type(experts), "_apply_gate", None)
+    if has_gate and not getattr(experts, "is_concatenated", True) and gate is _default_apply_gate:
+        problems.append("interleaved gate/up (is_concatenated=False) without its own _apply_gate")
     if not has_gate and not callable(getattr(experts, "act_fn", None)):
         problems.append("has_gate=False without act_fn")
     if getattr(experts, "has_post_expert_norm", False) and not callable(
@@ -142,14 +151,68 @@ def grouped_ep_experts_forward(
     )
 
 
+def _uses_experts_interface(module: nn.Module) -> bool:
+    # The attributes `@use_experts_implementation`'s __init__ sets on every instance.
+    own = vars(module)
+    return all(k in own for k in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+def _check_experts(model: nn.Module) -> None:
+    for module in model.modules():
+        if _uses_experts_interface(module):
+            check_supported(module)
+
+
+# transformers validates a requested experts implementation in `_check_and_adjust_experts_
+# implementation` (from `set_experts_implementation`, and in `__init__` before the submodules
+# exist) and finishes every model in `post_init`. Both are wrapped while "grouped_ep" is
+# registered, so experts modules the "grouped_ep" forward cannot run are refused, by family and
+# feature, when the implementation is set or a model is built with it (`from_pretrained(...,
+# experts_implementation="grouped_ep")`).
+def _after_check(original):
+    @functools.wraps(original)
+    def check_and_adjust(self, experts_implementation):
+        chosen = original(self, experts_implementation)
+        if chosen == IMPLEMENTATION:
+            _check_experts(self)
+        return chosen
+
+    return check_and_adjust
+
+
+def _after_post_init(original):
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if getattr(self.config, "_experts_implementation", None) == IMPLEMENTATION:
+            _check_experts(self)
+        return out
+
+    return post_init
+
+
+_WRAPPED = {"_check_and_adjust_experts_implementation": _after_check, "post_init": _after_post_init}
+
+
 def register() -> None:
-    """Register `"grouped_ep"` in transformers' ExpertsInterface (done on import)."""
+    """Register `"grouped_ep"` in transformers' ExpertsInterface (done on import), and check
+    every experts module when a model is set to it or built with it (see `check_supported`)."""
     ExpertsInterface.register(IMPLEMENTATION, grouped_ep_experts_forward)
+    for name, wrap in _WRAPPED.items():
+        method = PreTrainedModel.__dict__.get(name)
+        if method is not None and not hasattr(method, "__grouped_ep_original__"):
+            wrapped = wrap(method)
+            wrapped.__grouped_ep_original__ = method
+            setattr(PreTrainedModel, name, wrapped)
 
 
 def unregister() -> None:
-    """Remove `"grouped_ep"` from transformers' ExpertsInterface."""
+    """Remove `"grouped_ep"` from transformers' ExpertsInterface, and its checks."""
     ExpertsInterface._global_mapping.pop(IMPLEMENTATION, None)
+    for name in _WRAPPED:
+        method = PreTrainedModel.__dict__.get(name)
+        if hasattr(method, "__grouped_ep_original__"):
+            setattr(PreTrainedModel, name, method.__grouped_ep_original__)
 
 
 register()

@@ -12,10 +12,12 @@ names keys for anything else.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -76,10 +78,54 @@ def is_transformers_model(model) -> bool:
     return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
+_CLASS_NAMES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_class_names(model) -> Iterator[None]:
+    """For the duration, every FSDP2-wrapped module of `model` shows its own class's name and
+    module instead of FSDP2's `FSDP<Name>` subclass, which is defined in torch.
+
+    transformers finds a model's checkpoint conversion by class name, then `model_type`, and
+    skips every class defined outside transformers as custom code. A `fully_shard`-ed model
+    would then save and load with no conversion at all (hy_v4's `hc_head`, nemotron_h's
+    `backbone.` names)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapper = getattr(fsdp, "FSDPModule", None)
+    classes = {type(m) for m in model.modules()} if wrapper is not None else set()
+    swaps = []
+    for cls in classes:
+        bases = [b for b in cls.__bases__ if not issubclass(b, wrapper)]
+        if issubclass(cls, wrapper) and len(bases) == 1:
+            swaps.append((cls, bases[0]))
+    if not swaps:
+        yield
+        return
+    with _CLASS_NAMES_LOCK:
+        saved = [(cls, cls.__name__, cls.__qualname__, cls.__module__) for cls, _ in swaps]
+        try:
+            for cls, base in swaps:
+                cls.__name__, cls.__qualname__ = base.__name__, base.__qualname__
+                cls.__module__ = base.__module__
+            yield
+        finally:
+            for cls, name, qualname, module in saved:
+                cls.__name__, cls.__qualname__, cls.__module__ = name, qualname, module
+
+
+def revert_conversion(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' save-time conversion (`revert_weight_conversion`, what `save_pretrained`
+    runs) of in-memory tensors to checkpoint keys, also for a model `fully_shard` has wrapped."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with _own_class_names(model):
+        return revert_weight_conversion(model, state_dict)
+
+
 def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     """Where transformers' own save-time conversion puts the model tensor `name` on disk.
 
-    Runs `revert_weight_conversion` (what `save_pretrained` does) once per dim d on a probe that
+    Runs `revert_conversion` (what `save_pretrained` does) once per dim d on a probe that
     holds, at every element, its coordinate on d (an expanded `arange`, no memory of the tensor's
     size). Each checkpoint key it yields must be a box of the model tensor in row-major order
     (a slice on each dim, size-1 dims squeezed or not); then the box is a layout piece. None:
@@ -88,10 +134,6 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     """
     if not is_transformers_model(model) or not shape or 0 in shape:
         return None
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return None
     nd = len(shape)
     probes = []
     for d in range(nd):
@@ -99,7 +141,7 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
         view[d] = shape[d]
         probe = torch.arange(shape[d], dtype=torch.int64).view(view).expand(shape)
         try:
-            probes.append(revert_weight_conversion(model, {name: probe}))
+            probes.append(revert_conversion(model, {name: probe}))
         except Exception:  # noqa: BLE001 (a conversion that cannot run on a probe)
             return None
     keys = list(probes[0])
