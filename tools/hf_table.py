@@ -17,7 +17,9 @@ The table sits in README.md between the markers `<!-- hf-table:begin -->` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import io
 import re
 import subprocess
 import sys
@@ -139,9 +141,10 @@ def installed_families() -> list[FamilyRow]:
 
     transformers.logging.set_verbosity_error()
     rows = []
-    for fam in families():
-        cls = fam.model_class or fam.experts_class
-        rows.append(FamilyRow(fam.name, cls.__name__, build_error(fam.name)))
+    with contextlib.redirect_stdout(io.StringIO()):  # some configs print themselves on error
+        for fam in families():
+            cls = fam.model_class or fam.experts_class
+            rows.append(FamilyRow(fam.name, cls.__name__, build_error(fam.name)))
     return rows
 
 
