@@ -319,3 +319,17 @@ def test_export_hf_mixtral_uses_its_own_keys(tmp_path: Path) -> None:
         torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_writer_refuses_a_key_planned_twice(tmp_path: Path) -> None:
+    """Two tensors under one key would leave a header pointing at stray bytes: an unreadable
+    file that looks complete. The plan is refused before the file exists."""
+    from grouped_ep.checkpoint.safetensors_writer import PlannedTensor, StreamingSafetensorsWriter
+
+    planned = [
+        PlannedTensor("a.qkv", torch.float32, (2, 2)),
+        PlannedTensor("a.qkv", torch.float32, (2, 2)),
+    ]
+    with pytest.raises(ValueError, match="a.qkv is planned twice"):
+        StreamingSafetensorsWriter(tmp_path / "x.safetensors", planned)
+    assert not (tmp_path / "x.safetensors").exists()

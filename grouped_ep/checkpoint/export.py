@@ -23,6 +23,9 @@ the keys it owns into its own safetensors files, one tensor staged at a time:
 - any other DTensor (rows of a dense weight, experts split inside) is gathered one tensor at a
   time (`full_tensor`) and written by the least-loaded rank; plain tensors likewise, without the
   gather.
+Model tensors that transformers' conversion merges into one key (`q_proj`, `k_proj`, `v_proj`
+into a fused `qkv_proj`; text and vision experts into one expert list) are converted together,
+gathered whole on one rank.
 Files are written under temporary names, renamed once every rank has finished, and the index
 comes last (rank 0), so a failed export never looks complete.
 """
@@ -45,7 +48,7 @@ from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.layout import write_text_atomic
 from grouped_ep.checkpoint.safetensors_writer import PlannedTensor, StreamingSafetensorsWriter
-from grouped_ep.loading.keys import is_transformers_model, revert_conversion
+from grouped_ep.loading.keys import conversion_groups, is_transformers_model, revert_conversion
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -91,9 +94,21 @@ def split_expert_tensor(name: str, full: torch.Tensor) -> list[tuple[str, torch.
 
 def hf_items(model: nn.Module, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The (key, tensor) pairs a Hugging Face checkpoint holds for the model tensor `name`."""
+    return hf_group_items(model, {name: full})
+
+
+def hf_group_items(
+    model: nn.Module, tensors: dict[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    """The (key, tensor) pairs for model tensors converted together: a conversion that merges
+    several model tensors into one key (a fused `qkv_proj` from `q_proj`, `k_proj`, `v_proj`;
+    text and vision experts in one per-expert list) needs all of them in one call."""
     if is_transformers_model(model):
-        return list(revert_conversion(model, {name: full}).items())
-    return split_expert_tensor(name, full) or [(name, full)]  # our own split for stacked experts
+        return list(revert_conversion(model, tensors).items())
+    out = []
+    for name, full in tensors.items():  # our own split for stacked experts; other names stay
+        out += split_expert_tensor(name, full) or [(name, full)]
+    return out
 
 
 @dataclass
@@ -107,11 +122,36 @@ class _Entry:
     block: tuple[int, int] | None = None  # this rank's (first expert, count) for "local" entries
     position: int | None = None  # the dotted component of the keys that numbers the experts
     writes: dict[int, list[PlannedTensor]] = field(default_factory=dict)  # rank -> its keys
+    # (name, tensor) of every model tensor converted together with this one, this one first;
+    # set when a key of the checkpoint is made from several model tensors (always "whole").
+    members: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def _meta_items(model: nn.Module, name: str, shape, dtype) -> list[tuple[str, tuple[int, ...]]]:
     meta = torch.empty(shape, dtype=dtype, device="meta")
     return [(k, tuple(v.shape)) for k, v in hf_items(model, name, meta)]
+
+
+def _merge_groups(entries: list[_Entry], model: nn.Module) -> list[_Entry]:
+    """Entries that transformers' conversion turns into keys together (`conversion_groups`)
+    become one entry converted as a whole, placed where the first of them was."""
+    by_name = {e.name: e for e in entries}
+    first = {}
+    for group in conversion_groups(model, [e.name for e in entries]):
+        first[group[0]] = group
+    out = []
+    for e in entries:
+        group = first.get(e.name)
+        if group is None:
+            continue  # converted with an earlier entry of its group
+        if len(group) > 1:
+            e.members = [(n, by_name[n].tensor) for n in group]
+        out.append(e)
+    return out
 
 
 def _expert_position(keys: list[str]) -> int | None:
@@ -186,7 +226,8 @@ def _plan(model: nn.Module, rank: int, world: int) -> list[_Entry]:
             continue
         seen.add(id(t))
         entries.append(_Entry(name, t.detach()))
-    mine = [_local_block(e.tensor) for e in entries]
+    entries = _merge_groups(entries, model)
+    mine = [None if e.members else _local_block(e.tensor) for e in entries]
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -194,11 +235,15 @@ def _plan(model: nn.Module, rank: int, world: int) -> list[_Entry]:
     load = [0] * world
     for i, e in enumerate(entries):
         blocks = [everyone[r][i] for r in range(world)]
-        if _plan_local(model, e, blocks):
+        if not e.members and _plan_local(model, e, blocks):
             e.kind, e.block = "local", mine[i]
         else:
             e.kind, e.owner = "whole", min(range(world), key=lambda r: (load[r], r))
-            items = _meta_items(model, e.name, e.tensor.shape, e.tensor.dtype)
+            if e.members:
+                metas = {n: _meta(t) for n, t in e.members}
+                items = [(k, tuple(v.shape)) for k, v in hf_group_items(model, metas)]
+            else:
+                items = _meta_items(model, e.name, e.tensor.shape, e.tensor.dtype)
             e.writes = {e.owner: [PlannedTensor(k, e.tensor.dtype, s) for k, s in items]}
         for r, planned in e.writes.items():
             load[r] += sum(p.nbytes for p in planned)
@@ -252,6 +297,11 @@ def export_hf(
     per_rank = [
         _pack([p for e in entries for p in e.writes.get(r, [])], limit) for r in range(world)
     ]
+    seen_keys: set[str] = set()
+    for p in (p for files in per_rank for f in files for p in f):
+        if p.key in seen_keys:  # the same on every rank: all raise before anything is written
+            raise CheckpointError(f"export_hf: checkpoint key {p.key!r} is planned twice")
+        seen_keys.add(p.key)
     n_files = sum(len(f) for f in per_rank)
     first_file = sum(len(f) for f in per_rank[:rank])
     names = [
@@ -305,18 +355,17 @@ def _write_rank(
     cursor = 0
     writer: StreamingSafetensorsWriter | None = None
     error: Exception | None = None
-    t: torch.Tensor | None = None
     for e in entries:
-        if e.kind == "whole" and isinstance(e.tensor, DTensor):
-            t = e.tensor.full_tensor()  # collective: every rank, every such entry, in order
-        elif e.kind == "whole":
-            t = e.tensor
+        group: dict[str, torch.Tensor] = {}
+        for name, member in e.members or ([(e.name, e.tensor)] if e.kind == "whole" else []):
+            # full_tensor is a collective: every rank, every such entry, in order
+            group[name] = member.full_tensor() if isinstance(member, DTensor) else member
         if error is not None or rank not in e.writes:
-            t = None  # a gathered tensor another rank writes: dropped at once
+            group = {}  # gathered tensors another rank writes: dropped at once
             continue
         try:
             if e.kind == "whole":
-                items = hf_items(model, e.name, t)
+                items = hf_group_items(model, group)
             else:
                 items = hf_items(model, e.name, e.tensor.to_local())
                 if e.block[1] != e.tensor.shape[0]:
@@ -334,7 +383,7 @@ def _write_rank(
         except Exception as exc:
             error = exc
         finally:
-            t = items = None  # one tensor staged at a time: drop it before the next gather
+            group = items = None  # one entry staged at a time: drop it before the next gather
     if error is not None:
         raise error
     if writer is not None:

@@ -41,6 +41,8 @@ class StreamingSafetensorsWriter:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         start = 0
         for p in planned:
+            if p.key in header:  # a second copy would make the header point at stray bytes
+                raise ValueError(f"export_hf: {p.key} is planned twice for {path.name}")
             if p.dtype not in _DTYPES:
                 raise ValueError(f"export_hf: {p.key} has dtype {p.dtype}, which safetensors lacks")
             header[p.key] = {

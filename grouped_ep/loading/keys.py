@@ -122,6 +122,39 @@ def revert_conversion(model, state_dict: dict[str, torch.Tensor]) -> dict[str, t
         return revert_weight_conversion(model, state_dict)
 
 
+def conversion_groups(model, names: list[str]) -> list[list[str]]:
+    """`names` (model tensors) partitioned into the sets transformers' save-time conversion
+    turns into checkpoint keys together: a converter that merges several model tensors (a fused
+    `qkv_proj` from `q_proj`, `k_proj`, `v_proj`; text and vision experts into one list) needs
+    all of them in one call. Each name alone when the model is not a transformers model or the
+    conversion cannot be read.
+
+    transformers groups a converter's sources by the key the converter renames them to
+    (`apply_converters`); this asks the same question of the same reversed converters.
+    """
+    singles = [[n] for n in names]
+    if not is_transformers_model(model):
+        return singles
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+
+        with _own_class_names(model):
+            forward = getattr(model, "_weight_conversions", None)
+            if forward is None:
+                forward = get_model_conversion_mapping(model, add_legacy=False)
+                forward = [c for c in forward if not isinstance(c, PrefixChange)]
+            reverse = [c.reverse_transform() for c in forward[::-1]]
+        converters = [c for c in reverse if isinstance(c, WeightConverter)]
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            renamed, pattern = apply_converters(name, converters)
+            groups.setdefault(renamed if pattern is not None else f"\0{name}", []).append(name)
+        return list(groups.values())
+    except Exception:  # noqa: BLE001 (an internal API that moved: convert one name at a time)
+        return singles
+
+
 def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     """Where transformers' own save-time conversion puts the model tensor `name` on disk.
 
