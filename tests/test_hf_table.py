@@ -27,7 +27,7 @@ def _junit(path: Path, cases: dict[tuple[str, str], str]) -> Path:
     body = {
         "passed": "",
         "failed": '<failure message="boom">trace</failure>',
-        "xfailed": '<skipped type="pytest.xfail" message="known">r</skipped>',
+        "xfailed": '<skipped type="pytest.xfail" message="reason: known">r</skipped>',
         "skipped": '<skipped type="pytest.skip" message="no gpu">r</skipped>',
     }
     rows = "".join(
@@ -62,7 +62,11 @@ def test_table_rows_cells_and_unbuildable_families(tmp_path: Path) -> None:
         ("test_checkpoint_resume_world1", "qwen2_moe"): "xfailed",
         ("test_dp2_ep2_load_sharded_logits", "mixtral"): "passed",
     }
-    table = hf_table.render(cases, FAMILIES)
+    reasons = {}
+    assert hf_table.read_junit(_junit(tmp_path / "r.xml", cases), reasons) == cases
+    assert reasons == {("test_checkpoint_resume_world1", "qwen2_moe"): "known"}
+    table = hf_table.render(cases, FAMILIES, reasons)
+    assert "- qwen2_moe (resume 2 → 1 ranks): known" in table
     lines = table.splitlines()
     mixtral = next(line for line in lines if line.startswith("| mixtral |"))
     qwen = next(line for line in lines if line.startswith("| qwen2_moe |"))

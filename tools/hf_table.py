@@ -54,9 +54,10 @@ class FamilyRow:
     build_error: str | None = None
 
 
-def read_junit(path: str | Path) -> dict[tuple[str, str], str]:
+def read_junit(path: str | Path, reasons: dict | None = None) -> dict[tuple[str, str], str]:
     """(test function, family) -> passed / failed / xfailed / skipped, for every parametrized
-    test of the family test file in a pytest `--junitxml` report."""
+    test of the family test file in a pytest `--junitxml` report. `reasons`, if given, gets
+    (test function, family) -> the reason of each known failure (xfail)."""
     try:
         tree = ET.parse(path)
     except (OSError, ET.ParseError) as e:
@@ -72,6 +73,8 @@ def read_junit(path: str | Path) -> dict[tuple[str, str], str]:
             outcome = "failed"
         elif (skip := case.find("skipped")) is not None:
             outcome = "xfailed" if skip.get("type") == "pytest.xfail" else "skipped"
+            if outcome == "xfailed" and reasons is not None:
+                reasons[(m[1], m[2])] = skip.get("message", "").removeprefix("reason: ")
         else:
             outcome = "passed"
         out[(m[1], m[2])] = outcome
@@ -80,7 +83,11 @@ def read_junit(path: str | Path) -> dict[tuple[str, str], str]:
     return out
 
 
-def render(results: dict[tuple[str, str], str], families: list[FamilyRow]) -> str:
+def render(
+    results: dict[tuple[str, str], str],
+    families: list[FamilyRow],
+    reasons: dict[tuple[str, str], str] | None = None,
+) -> str:
     """The Markdown between the markers: the results table, then the families that do not
     build tiny in transformers with its error. Every buildable family needs a result in every
     column except dp2×ep2 (a sample)."""
@@ -108,6 +115,16 @@ def render(results: dict[tuple[str, str], str], families: list[FamilyRow]) -> st
             MARK[results[(t, f.name)]] if (t, f.name) in results else NOT_RUN for t, _ in COLUMNS
         ]
         lines.append(f"| {f.name} | `{f.class_name}` | " + " | ".join(cells) + " |")
+    known: dict[tuple[str, str], list[str]] = {}  # (family, reason) -> columns
+    titles = dict(COLUMNS)
+    order = {test: i for i, (test, _) in enumerate(COLUMNS)}
+    by_family = sorted((reasons or {}).items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 99)))
+    for (test, fam), why in by_family:
+        known.setdefault((fam, why), []).append(titles.get(test, test))
+    if known:
+        lines += ["", "Known failures (strict xfails in the test file, with their reasons):", ""]
+        for (fam, why), cols in known.items():
+            lines.append(f"- {fam} ({', '.join(cols)}): {why}")
     broken = [f for f in families if f.build_error is not None]
     if broken:
         lines += [
@@ -169,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         report = Path(args.junitxml) if args.junitxml else Path(tmp) / "hf.xml"
         if args.run:
             run_tests(report)
-        results = read_junit(report)
+        reasons: dict[tuple[str, str], str] = {}
+        results = read_junit(report, reasons)
     readme = Path(args.readme)
     old = readme.read_text()
-    new = replace_block(old, render(results, installed_families()), str(readme))
+    new = replace_block(old, render(results, installed_families(), reasons), str(readme))
     if args.check:
         if new != old:
             diff = difflib.unified_diff(
