@@ -173,6 +173,27 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def _refuse_shared_direct_params(module: nn.Module, prefix: str) -> None:
+    stacked = {id(p) for _, p in _expert_params(module)}
+    direct = [n for n, p in module.named_parameters(recurse=False) if id(p) not in stacked]
+    if direct:
+        raise NotImplementedError(
+            f"fully_shard_moe: {prefix}.{direct[0]} is a parameter of the experts module that is "
+            f"not stacked over its {module.num_experts} experts; EP cannot shard it"
+        )
+
+
+def _shard_shared_params(module: nn.Module, prefix: str, flat_mesh: DeviceMesh, kwargs) -> None:
+    """Parameters inside an experts module that are not stacked over experts (muse_spark's
+    `post_expert_norm`) are one tensor shared by every expert: FSDP over `"dp"` alone would
+    reduce their gradients over dp only, each EP rank would step its own copy with its own
+    tokens' gradients, and the copies would drift apart. Their submodules are sharded over all
+    ranks instead (see `_refuse_shared_direct_params` for one held by the module itself)."""
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=flat_mesh, **kwargs)
+
+
 def fully_shard_moe(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -184,7 +205,8 @@ def fully_shard_moe(
 
     Applies `apply_expert_parallel(model, mesh["ep"])` where not done yet (a model already
     loaded with `load_sharded` after it keeps its weights), then `fully_shard`s each experts
-    module over `"dp"` (gradients divided by `dp * ep`), each block of the outermost ModuleList
+    module over `"dp"` (gradients divided by `dp * ep`; a submodule inside it that is shared by
+    all experts, e.g. a post-expert norm, over `"dp_ep"`), each block of the outermost ModuleList
     holding experts over `"dp_ep"`, and the root over `"dp_ep"`. Afterwards every parameter is a
     DTensor. Returns `model` (now an FSDPModule).
     """
@@ -206,8 +228,11 @@ def fully_shard_moe(
     # lacks: on CPU, sum and then divide instead.
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
+    for module in experts:  # before anything changes
+        _refuse_shared_direct_params(module, names[id(module)])
     for module in experts:
         _shard_experts(module, ep_mesh, names[id(module)])
+        _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
         local = module.num_experts // ep
         placement = Shard(0) if local % dp == 0 else Shard(1)
         fully_shard(module, mesh=dp_mesh, shard_placement_fn=lambda _p, s=placement: s, **kwargs)

@@ -25,21 +25,7 @@ DP2_EP2 = [n for n in ("qwen2_moe", "gpt_oss", "mixtral") if n in FAMILIES]
 
 # Known failures (test, family) -> reason, as strict xfails: a test that starts passing fails,
 # so this list can only shrink.
-_MERGED = (
-    "load_sharded cannot read a checkpoint key that transformers' conversion builds from several "
-    "model tensors: "
-)
-_NOT_SLICES = "load_sharded: transformers' conversion of these keys is not a set of slices: "
-_MULTI = ("ep2_load_sharded_logits", "ep2_adamw_step", "checkpoint_resume_world1")
-KNOWN_FAILING: dict[tuple[str, str], str] = {
-    **{(t, "ernie4_5_vl_moe"): _MERGED + "text and vision experts in one list" for t in _MULTI},
-    **{(t, "unlimited_ocr"): _MERGED + "a fused vision qkv_proj" for t in _MULTI},
-    **{(t, "mistral_large4"): _NOT_SLICES + "vision attention q_proj / k_proj" for t in _MULTI},
-    **{(t, "inkling2"): _NOT_SLICES + "experts.gate_up_proj" for t in _MULTI},
-    ("ep2_load_sharded_logits", "gemma4"): "EP=2 logits differ from eager by 0.17 (not diagnosed)",
-    ("checkpoint_resume_world1", "gemma4"): "resumed logits differ by 0.15 (not diagnosed)",
-    ("checkpoint_resume_world1", "muse_spark"): "resumed logits differ by 9e-4 (not diagnosed)",
-}
+KNOWN_FAILING: dict[tuple[str, str], str] = {}
 
 
 def _families(test: str, names: list[str]) -> list:

@@ -93,6 +93,44 @@ def test_piece_ranges_read_exactly_the_owned_elements(shape, data):
     assert rows[:, 3].sum() == want.nbytes
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_piece_that_is_part_of_its_key_reads_only_that_part(shape, data):
+    """A model tensor held as a box of a larger checkpoint tensor (q_proj's rows of a fused
+    qkv_proj), read for random owned indices: exactly global[owned], every byte once."""
+    shape = tuple(shape)
+    lead = [data.draw(st.integers(0, 3)) for _ in shape]
+    trail = [data.draw(st.integers(0, 3)) for _ in shape]
+    file_shape = tuple(a + n + b for a, n, b in zip(lead, shape, trail))
+    big = np.arange(math.prod(file_shape), dtype=np.int32).reshape(file_shape)
+    full = big[tuple(slice(a, a + n) for a, n in zip(lead, shape))]
+    owned = []
+    for n in shape:
+        lo = data.draw(st.integers(0, n))
+        owned.append(None if data.draw(st.booleans()) else np.arange(lo, n, dtype=np.int64))
+    # the key may also be stored with its dims in another order (a transposed key)
+    dims = tuple(data.draw(st.permutations(range(len(shape)))))
+    big = np.ascontiguousarray(big.transpose(np.argsort(dims)))  # model dim d -> key dim dims[d]
+    file_shape = big.shape
+    entry = sf.TensorEntry("qkv", "f", torch.int32, file_shape, 24, big.nbytes)
+    piece = sf.Piece(
+        entry, (0,) * len(shape), shape, tuple(lead[i] for i in np.argsort(dims)), dims
+    )
+    src, dst, length = sf.piece_ranges(owned, shape, piece)
+    rows = sf.coalesce(np.zeros(len(src), np.int64), src, dst, length)
+    want = full
+    for d, o in enumerate(owned):
+        if o is not None:
+            want = np.take(want, o, axis=d)
+    blob = np.frombuffer(bytes(24) + big.tobytes(), np.uint8)
+    got = _simulate(rows, blob, want.nbytes)
+    assert np.array_equal(got.view(np.int32).reshape(want.shape), want)
+    assert rows[:, 3].sum() == want.nbytes
+
+
 def test_row_shard_is_one_range_and_columns_one_per_row():
     entry = sf.TensorEntry("w", "f", torch.float32, (8, 6), 100, 8 * 6 * 4)
     piece = sf.Piece(entry, (0, 0), (8, 6))
@@ -502,3 +540,46 @@ def test_plain_model_load_does_not_import_transformers(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+class _Scaled(nn.Module):
+    """Like Gemma's scaled embedding: a non-persistent buffer from a constructor argument with
+    a default, which a rebuild from the kept arguments would silently get wrong."""
+
+    def __init__(self, n: int, scale: float = 1.0):
+        super().__init__()
+        self.n = n
+        self.weight = nn.Parameter(torch.zeros(n, 2))
+        self.scalar_scale = scale
+        self.scale = nn.Buffer(torch.tensor(scale), persistent=False)
+        self.pos = nn.Buffer(torch.arange(n, dtype=torch.float32), persistent=False)
+
+
+class _WithInit(nn.Module):
+    """A transformers-style owner: `config` and `_init_weights(module)`, which also initializes
+    parameters (here to 7), as transformers' does."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = {"scale": 8.0**0.5}
+        self.emb = _Scaled(3, scale=self.config["scale"])
+
+    def _init_weights(self, module):
+        if isinstance(module, _Scaled):
+            module.scale.fill_(module.scalar_scale)
+            module.weight.fill_(7.0)
+
+
+def test_buffers_from_init_weights_and_rebuild_never_touch_loaded_tensors():
+    from grouped_ep.loading.buffers import fresh_buffers
+
+    with torch.device("meta"):
+        model = _WithInit()
+    model.emb.weight = nn.Parameter(torch.full((3, 2), 0.5))  # "loaded"
+    values = {name: v for _, name, v in fresh_buffers(model, "cpu")}
+    # scale: from _init_weights (a rebuild gives the default 1.0); pos: _init_weights leaves it,
+    # so the rebuild recomputes it
+    assert values["scale"].item() == pytest.approx(8.0**0.5)
+    assert torch.equal(values["pos"], torch.arange(3, dtype=torch.float32))
+    assert torch.equal(model.emb.weight, torch.full((3, 2), 0.5))  # not re-initialized
+    assert model.emb.scale.is_meta and model.emb.weight.device.type == "cpu"

@@ -1,15 +1,22 @@
 """Non-persistent buffers: values no checkpoint holds (rotary `inv_freq`, causal masks, ...).
 
 After a meta-device build they are meta, so the model cannot run after loading its weights.
-`fresh_buffers` recomputes them from the owning module's own initialization: the module type is
-built again, alone, on the target device, from the arguments it keeps (`config` for transformers
-modules), and its buffers are taken. Nothing bigger than the module that owns the buffers is
-built. Where that is impossible, the error names each buffer.
+`fresh_buffers` recomputes them from the owning module's own initialization:
+- in a transformers model, the way `from_pretrained` does: the `_init_weights` of the nearest
+  `PreTrainedModel` runs on the module, with its parameters and other buffers swapped for meta
+  stand-ins (so nothing loaded is touched) and these buffers fresh on the target device (Gemma's
+  `embed_scale` comes from a constructor argument that only `_init_weights` knows again);
+- otherwise, or for a buffer `_init_weights` leaves alone, the module type is built again, alone,
+  on the target device, from the arguments it keeps (`config` for transformers modules), and its
+  buffers are taken.
+Nothing bigger than the module that owns the buffers is built. Where neither works, the error
+names each buffer.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -55,6 +62,60 @@ def _rebuild(module: nn.Module, device: torch.device) -> nn.Module:
         return type(module)(**kwargs)
 
 
+def _init_weights_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> the nearest enclosing module (itself included) with `_init_weights`."""
+    owners: dict[str, nn.Module] = {}
+    for prefix, module in model.named_modules():
+        if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
+            owners[prefix] = module
+        else:
+            parent = prefix.rpartition(".")[0] if "." in prefix else ""
+            owner = owners.get(parent) if prefix else None
+            if owner is not None:
+                owners[prefix] = owner
+    return owners
+
+
+def _from_init_weights(
+    owner: nn.Module, module: nn.Module, names: list[str], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The floating-point buffers `names` of `module` as `owner._init_weights(module)` sets them
+    (those it sets: a buffer left all-NaN was not touched). Nothing of `module` changes."""
+    params, buffers = dict(module._parameters), dict(module._buffers)
+    fresh = {
+        n: torch.full(buffers[n].shape, math.nan, dtype=buffers[n].dtype, device=device)
+        for n in names
+        if buffers[n].is_floating_point()
+    }
+    if not fresh:
+        return {}
+    try:
+        for k, p in params.items():
+            if p is not None:
+                stand_in = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                module._parameters[k] = nn.Parameter(stand_in, requires_grad=p.requires_grad)
+        for k, b in buffers.items():
+            if b is not None:
+                module._buffers[k] = fresh.get(
+                    k, torch.empty(b.shape, dtype=b.dtype, device="meta")
+                )
+        with torch.no_grad():
+            owner._init_weights(module)
+        got = {n: module._buffers[n] for n in fresh}
+    except Exception:  # noqa: BLE001 (an _init_weights that cannot run this way: rebuild)
+        return {}
+    finally:
+        module._parameters.clear()
+        module._parameters.update(params)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+    return {
+        n: v
+        for n, v in got.items()
+        if isinstance(v, torch.Tensor) and v.device == device and not bool(v.isnan().all())
+    }
+
+
 def fresh_buffers(
     model: nn.Module, device: torch.device | str, only_meta: bool = True
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -65,7 +126,14 @@ def fresh_buffers(
     """
     device = torch.device(device)
     out, failed = [], []
+    owners = _init_weights_owners(model)
     for prefix, (module, names) in nonpersistent_buffers(model, only_meta).items():
+        owner = owners.get(prefix)
+        initialized = _from_init_weights(owner, module, names, device) if owner else {}
+        out += [(module, n, initialized[n]) for n in names if n in initialized]
+        names = [n for n in names if n not in initialized]
+        if not names:
+            continue
         where = [f"{prefix}.{n}" if prefix else n for n in names]
         try:
             fresh = _rebuild(module, device)

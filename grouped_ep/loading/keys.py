@@ -13,6 +13,7 @@ names keys for anything else.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 import sys
@@ -29,7 +30,9 @@ KeyMap = Callable[[str], "str | Sequence[str | Sequence[str]] | None"]
 
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>[^.]+)$")
-Layout = list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+# (key, offset in the model tensor, shape there, key's shape[, corner in the key and the key dim
+# each model dim follows, when the piece is only part of the key or the key is transposed])
+Layout = list[tuple]
 
 
 def _stacked(prefix: str, experts: int, names: Sequence[str], rows: int, cols: int) -> Layout:
@@ -155,26 +158,135 @@ def conversion_groups(model, names: list[str]) -> list[list[str]]:
         return singles
 
 
+_SOURCE = 1 << 40  # probe value = member index * _SOURCE + coordinate
+_PROBE_LIMIT = 1 << 31  # most probe bytes per dim (int64) before giving up on a conversion
+
+
+_MEMBERS_CACHE = "_grouped_ep_conversion_members"
+
+
+@contextlib.contextmanager
+def conversions_cached(model) -> Iterator[None]:
+    """Within, `_conversion_members` works the model's conversion groups out once."""
+    model.__dict__[_MEMBERS_CACHE] = None
+    try:
+        yield
+    finally:
+        model.__dict__.pop(_MEMBERS_CACHE, None)
+
+
+def _conversion_members(model, name: str) -> dict[str, tuple[int, ...]] | None:
+    """The model tensors converted together with `name` (see `conversion_groups`), `name`
+    first, with their global shapes (once per `conversions_cached` block)."""
+    cache = model.__dict__.get(_MEMBERS_CACHE)
+    if cache is None:
+        shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+        cache = {}
+        for group in conversion_groups(model, list(shapes)):
+            for n in group:
+                cache[n] = {m: shapes[m] for m in [n] + [g for g in group if g != n]}
+        if _MEMBERS_CACHE in model.__dict__:
+            model.__dict__[_MEMBERS_CACHE] = cache
+    return dict(cache[name]) if name in cache else None
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first file index, first model index, length) of each run of `index` (file index ->
+    model index) that advances by one on both sides."""
+    if index.numel() == 0:
+        return []
+    breaks = torch.nonzero(torch.diff(index) != 1).flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), index.numel()]
+    return [(a, int(index[a]), b - a) for a, b in zip(starts, ends)]
+
+
+def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape) -> Layout | None:
+    """The layout pieces of one checkpoint key: `coords[d]` holds, per element of the key, the
+    model coordinate on dim d; `mine` marks the elements of this model tensor. Either the
+    whole key is a box of the model tensor (size-1 dims may be squeezed), or the key has the
+    model's ndim, this tensor's elements form a box of it, and each model dim follows one key
+    dim (a slice of a fused key, a permutation of rows, a transposed key): one piece per run."""
+    nd = len(shape)
+    file_shape = tuple(coords[0].shape)
+    if bool(mine.all()):
+        lo = [int(c.min()) for c in coords]
+        box = tuple(int(c.max()) - lo[d] + 1 for d, c in enumerate(coords))
+        if math.prod(box) == math.prod(file_shape) and all(
+            torch.equal(
+                c.reshape(box),
+                (lo[d] + torch.arange(box[d]))
+                .view([box[d] if i == d else 1 for i in range(nd)])
+                .expand(box),
+            )
+            for d, c in enumerate(coords)
+        ):
+            return [(key, tuple(lo), box, file_shape)]
+    if len(file_shape) != nd:
+        return None
+    where = torch.nonzero(mine)
+    lo_f, hi_f = where.min(0).values.tolist(), where.max(0).values.tolist()
+    region = tuple(slice(a, b + 1) for a, b in zip(lo_f, hi_f))
+    if not bool(mine[region].all()):
+        return None  # this tensor's elements of the key are not one box
+    runs, dims = [], []
+    for d in range(nd):  # the key dim model dim d follows, and its runs along it
+        c = coords[d][region]
+        for a in range(nd):
+            line = c[tuple(slice(None) if i == a else 0 for i in range(nd))]
+            view = [line.numel() if i == a else 1 for i in range(nd)]
+            if torch.equal(c, line.view(view).expand(c.shape)):
+                break
+        else:
+            return None  # model dim d follows no single key dim
+        dims.append(a)
+        runs.append([(f + lo_f[a], m, n) for f, m, n in _runs(line)])
+    if sorted(dims) != list(range(nd)):
+        return None
+    layout: Layout = []
+    for combo in itertools.product(*runs):
+        corner = [0] * nd
+        for d, (f, _, _) in enumerate(combo):
+            corner[dims[d]] = f
+        offset = tuple(m for _, m, _ in combo)
+        box = tuple(n for _, _, n in combo)
+        in_order = dims == list(range(nd))
+        if in_order and corner == [0] * nd and box == file_shape:
+            layout.append((key, offset, box, file_shape))
+        else:
+            layout.append((key, offset, box, file_shape, tuple(corner), tuple(dims)))
+    return layout
+
+
 def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     """Where transformers' own save-time conversion puts the model tensor `name` on disk.
 
-    Runs `revert_conversion` (what `save_pretrained` does) once per dim d on a probe that
-    holds, at every element, its coordinate on d (an expanded `arange`, no memory of the tensor's
-    size). Each checkpoint key it yields must be a box of the model tensor in row-major order
-    (a slice on each dim, size-1 dims squeezed or not); then the box is a layout piece. None:
-    not a transformers model, no conversion for `name`, or a conversion that is not a set of
-    boxes (e.g. a transpose), which `key_map=` must then name.
+    Runs `revert_conversion` (what `save_pretrained` does) once per dim d on probes: `name`'s
+    holds, at every element, its coordinate on d (an expanded `arange`, no memory of the
+    tensor's size); the tensors converted together with it (`conversion_groups`: the other
+    parts of a fused key) hold their own index in the group, so that each element of each
+    checkpoint key tells which model tensor it belongs to and where. The keys must then hold
+    `name` as boxes, whole or in runs of a fused or permuted key (`_key_pieces`), tiling it
+    once. None: not a transformers model, no conversion for `name`, or a conversion that is not
+    like that (e.g. a transpose), which `key_map=` must then name.
     """
     if not is_transformers_model(model) or not shape or 0 in shape:
         return None
+    members = _conversion_members(model, name) or {name: shape}
+    members[name] = shape
     nd = len(shape)
+    if len(members) > 1 and sum(math.prod(s) for s in members.values()) * 8 > _PROBE_LIMIT:
+        return None
     probes = []
     for d in range(nd):
         view = [1] * nd
         view[d] = shape[d]
-        probe = torch.arange(shape[d], dtype=torch.int64).view(view).expand(shape)
+        group = {name: torch.arange(shape[d], dtype=torch.int64).view(view).expand(shape)}
+        for j, (other, other_shape) in enumerate(members.items()):
+            if other != name:
+                group[other] = torch.full((), j * _SOURCE, dtype=torch.int64).expand(other_shape)
         try:
-            probes.append(revert_conversion(model, {name: probe}))
+            probes.append(revert_conversion(model, group))
         except Exception:  # noqa: BLE001 (a conversion that cannot run on a probe)
             return None
     keys = list(probes[0])
@@ -182,19 +294,17 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
         return None
     layout: Layout = []
     for key in keys:
-        coords = [p[key] for p in probes]
-        file_shape = tuple(coords[0].shape)
-        lo = [int(c.min()) for c in coords]
-        box = tuple(int(c.max()) - lo[d] + 1 for d, c in enumerate(coords))
-        if math.prod(box) != math.prod(file_shape):
+        if any(not isinstance(p[key], torch.Tensor) for p in probes):
             return None
-        for d, c in enumerate(coords):
-            view = [1] * nd
-            view[d] = box[d]
-            want = (lo[d] + torch.arange(box[d])).view(view).expand(box)
-            if not torch.equal(c.reshape(box), want):
-                return None
-        layout.append((key, tuple(lo), box, file_shape))
+        mine = probes[0][key] < _SOURCE
+        if not bool(mine.any()):
+            continue
+        pieces = _key_pieces([p[key] for p in probes], mine, key, shape)
+        if pieces is None:
+            return None
+        layout += pieces
+    if sum(math.prod(box) for _, _, box, *_ in layout) != math.prod(shape):
+        return None  # not tiled exactly once
     return layout
 
 
@@ -236,14 +346,15 @@ def _check_layout(
     name: str, shape: tuple[int, ...], layout: Layout, ckpt: Checkpoint
 ) -> list[Piece]:
     pieces = []
-    for key, offset, pshape, file_shape in layout:
+    for key, offset, pshape, file_shape, *part in layout:
         entry = ckpt[key]
         if entry.shape != file_shape or any(o + n > s for o, n, s in zip(offset, pshape, shape)):
             raise LoadError(
                 f"{entry.path}: shape mismatch for {key!r}: model tensor {name!r} {list(shape)} "
                 f"needs {list(file_shape)} here, the file has {list(entry.shape)}"
             )
-        pieces.append(Piece(entry, offset, pshape))
+        corner, dims = (part + [None, None])[:2]
+        pieces.append(Piece(entry, offset, pshape, corner, dims))
     return pieces
 
 

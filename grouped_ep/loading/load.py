@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.keys import KeyMap, resolve_pieces
+from grouped_ep.loading.keys import KeyMap, conversions_cached, resolve_pieces
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
@@ -182,9 +182,13 @@ def load_sharded(
     targets = _targets(model)
     used: set[str] = set()
     missing, todo, quantized = [], [], []
+    with conversions_cached(model):
+        for target in targets:
+            target.pieces = resolve_pieces(
+                target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
+            )
     for target in targets:
         shape = tuple(target.tensor.shape)
-        target.pieces = resolve_pieces(target.names, shape, ckpt, key_map, model=model)
         if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
             target.pieces = mxfp4_pieces(target.names, shape, ckpt)
         if not target.pieces:

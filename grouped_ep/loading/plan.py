@@ -33,6 +33,16 @@ class Piece:
     entry: TensorEntry
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    # A piece that is only part of its checkpoint tensor (q_proj's rows of a fused qkv_proj, one
+    # run of rows of a permuted weight): its corner in the checkpoint tensor, which then has the
+    # model tensor's ndim. None: the piece is the whole checkpoint tensor.
+    file_offset: tuple[int, ...] | None = None
+    # For such a piece, the key dim each model dim follows (a transposed key), if not in order.
+    file_dims: tuple[int, ...] | None = None
+
+    @property
+    def is_whole(self) -> bool:
+        return self.file_offset is None
 
 
 def _chunk(idx: np.ndarray, parts: int, rank: int) -> np.ndarray:
@@ -117,6 +127,8 @@ def piece_ranges(
     if nd == 0:
         return np.array([piece.entry.start]), np.array([0]), np.array([item])
     lshape = local_shape(global_shape, owned)
+    dims = piece.file_dims or tuple(range(nd))
+    in_order = dims == tuple(range(nd))
     src_pos, dst_pos = [], []
     for d in range(nd):
         idx = owned[d] if owned[d] is not None else np.arange(global_shape[d], dtype=np.int64)
@@ -124,14 +136,16 @@ def piece_ranges(
         sel = np.nonzero((rel >= 0) & (rel < piece.shape[d]))[0]
         if sel.size == 0:
             return empty
-        src_pos.append(rel[sel])
+        src_pos.append(rel[sel] + (0 if piece.is_whole else piece.file_offset[dims[d]]))
         dst_pos.append(sel.astype(np.int64))
+    file_shape = piece.shape if piece.is_whole else tuple(piece.entry.shape)
 
     def whole(d: int) -> bool:
-        n = piece.shape[d]
+        n = file_shape[d]
         every = np.arange(n)
         return (
-            n == lshape[d]
+            in_order
+            and n == lshape[d]
             and np.array_equal(src_pos[d], every)
             and np.array_equal(dst_pos[d], every)
         )
@@ -140,8 +154,12 @@ def piece_ranges(
     while k > 0 and whole(k):
         k -= 1
     inner = math.prod(piece.shape[k + 1 :])
-    s_stride, d_stride = _strides(piece.shape), _strides(lshape)
-    run_src, run_dst, run_len = _runs(src_pos[k], dst_pos[k])
+    file_strides, d_stride = _strides(file_shape), _strides(lshape)
+    s_stride = [file_strides[dims[d]] for d in range(nd)]  # a model dim's step in the file
+    if s_stride[k] == 1:
+        run_src, run_dst, run_len = _runs(src_pos[k], dst_pos[k])
+    else:  # a transposed key: neighbours on the model's last dim are apart in the file
+        run_src, run_dst, run_len = src_pos[k], dst_pos[k], np.ones_like(src_pos[k])
     src = run_src * s_stride[k]
     dst = run_dst * d_stride[k]
     for d in range(k - 1, -1, -1):  # outer dims: one entry per index, row-major order

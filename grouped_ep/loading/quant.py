@@ -198,6 +198,11 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
         )
     if len(quant) != len(target.pieces):
         raise LoadError(f"{target.name}: checkpoint tensors mix quantized and plain dtypes")
+    if not all(p.is_whole for p in quant):
+        raise LoadError(
+            f"{target.name}: its quantized checkpoint tensors hold it only in part (a fused or "
+            f"permuted key: {quant[0].entry.key!r}); dequantizing such keys is not supported"
+        )
     return True
 
 
