@@ -138,6 +138,16 @@ def test_row_shard_is_one_range_and_columns_one_per_row():
     assert (src.tolist(), dst.tolist(), length.tolist()) == ([100 + 2 * 24], [0], [3 * 24])
     src, _, length = sf.piece_ranges([None, np.arange(3, 6)], (8, 6), piece)
     assert len(src) == 8 and set(length.tolist()) == {12}
+    # k_proj [8, 6] = rows 8:16 of a fused qkv_proj [24, 6]: rows 2:5 are still one range
+    fused = sf.TensorEntry("qkv", "f", torch.float32, (24, 6), 100, 24 * 6 * 4)
+    part = sf.Piece(fused, (0, 0), (8, 6), (8, 0))
+    src, dst, length = sf.piece_ranges([np.arange(2, 5), None], (8, 6), part)
+    assert (src.tolist(), dst.tolist(), length.tolist()) == ([100 + 10 * 24], [0], [3 * 24])
+    # stored transposed ([6, 8] on disk): one element per range
+    flipped = sf.TensorEntry("wT", "f", torch.float32, (6, 8), 100, 8 * 6 * 4)
+    part = sf.Piece(flipped, (0, 0), (8, 6), (0, 0), (1, 0))
+    src, dst, length = sf.piece_ranges([np.arange(2, 3), None], (8, 6), part)
+    assert src.tolist() == [100 + (j * 8 + 2) * 4 for j in range(6)] and set(length) == {4}
 
 
 def test_owned_indices_of_plain_tensor_is_everything():

@@ -156,7 +156,7 @@ def piece_ranges(
     inner = math.prod(piece.shape[k + 1 :])
     file_strides, d_stride = _strides(file_shape), _strides(lshape)
     s_stride = [file_strides[dims[d]] for d in range(nd)]  # a model dim's step in the file
-    if s_stride[k] == 1:
+    if in_order or s_stride[k] == 1:  # in order, dims after k are whole: runs are contiguous
         run_src, run_dst, run_len = _runs(src_pos[k], dst_pos[k])
     else:  # a transposed key: neighbours on the model's last dim are apart in the file
         run_src, run_dst, run_len = src_pos[k], dst_pos[k], np.ones_like(src_pos[k])
