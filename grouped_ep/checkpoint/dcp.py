@@ -152,8 +152,9 @@ def _stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
 def _without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
     if not stateless:
         return state
+    drop = set(stateless)
     optim = dict(state["optim"])
-    optim["state"] = {k: v for k, v in optim["state"].items() if k not in set(stateless)}
+    optim["state"] = {k: v for k, v in optim["state"].items() if k not in drop}
     return state | {"optim": optim}
 
 

@@ -69,8 +69,7 @@ def _init_weights_owners(model: nn.Module) -> dict[str, nn.Module]:
         if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
             owners[prefix] = module
         else:
-            parent = prefix.rpartition(".")[0] if "." in prefix else ""
-            owner = owners.get(parent) if prefix else None
+            owner = owners.get(prefix.rpartition(".")[0]) if prefix else None
             if owner is not None:
                 owners[prefix] = owner
     return owners

@@ -20,10 +20,11 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.plan import Piece
+from grouped_ep.loading.plan import Piece, runs
 from grouped_ep.loading.safetensors import Checkpoint
 
 KeyMap = Callable[[str], "str | Sequence[str | Sequence[str]] | None"]
@@ -190,17 +191,6 @@ def _conversion_members(model, name: str) -> dict[str, tuple[int, ...]] | None:
     return dict(cache[name]) if name in cache else None
 
 
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first file index, first model index, length) of each run of `index` (file index ->
-    model index) that advances by one on both sides."""
-    if index.numel() == 0:
-        return []
-    breaks = torch.nonzero(torch.diff(index) != 1).flatten() + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), index.numel()]
-    return [(a, int(index[a]), b - a) for a, b in zip(starts, ends)]
-
-
 def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape) -> Layout | None:
     """The layout pieces of one checkpoint key: `coords[d]` holds, per element of the key, the
     model coordinate on dim d; `mine` marks the elements of this model tensor. Either the
@@ -229,7 +219,7 @@ def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape)
     region = tuple(slice(a, b + 1) for a, b in zip(lo_f, hi_f))
     if not bool(mine[region].all()):
         return None  # this tensor's elements of the key are not one box
-    runs, dims = [], []
+    per_dim, dims = [], []
     for d in range(nd):  # the key dim model dim d follows, and its runs along it
         c = coords[d][region]
         for a in range(nd):
@@ -240,17 +230,21 @@ def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape)
         else:
             return None  # model dim d follows no single key dim
         dims.append(a)
-        runs.append([(f + lo_f[a], m, n) for f, m, n in _runs(line)])
+        model_idx = line.numpy()  # key index i of the box -> model index; its runs are pieces
+        starts, firsts, lengths = runs(np.arange(len(model_idx)), model_idx)
+        per_dim.append(
+            [(int(f) + lo_f[a], int(m), int(n)) for f, m, n in zip(starts, firsts, lengths)]
+        )
     if sorted(dims) != list(range(nd)):
         return None
+    in_order = dims == list(range(nd))
     layout: Layout = []
-    for combo in itertools.product(*runs):
+    for combo in itertools.product(*per_dim):
         corner = [0] * nd
         for d, (f, _, _) in enumerate(combo):
             corner[dims[d]] = f
         offset = tuple(m for _, m, _ in combo)
         box = tuple(n for _, _, n in combo)
-        in_order = dims == list(range(nd))
         if in_order and corner == [0] * nd and box == file_shape:
             layout.append((key, offset, box, file_shape))
         else:
@@ -267,8 +261,8 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     parts of a fused key) hold their own index in the group, so that each element of each
     checkpoint key tells which model tensor it belongs to and where. The keys must then hold
     `name` as boxes, whole or in runs of a fused or permuted key (`_key_pieces`), tiling it
-    once. None: not a transformers model, no conversion for `name`, or a conversion that is not
-    like that (e.g. a transpose), which `key_map=` must then name.
+    once (a transposed key included). None: not a transformers model, no conversion for
+    `name`, or a conversion that is not like that, which `key_map=` must then name.
     """
     if not is_transformers_model(model) or not shape or 0 in shape:
         return None

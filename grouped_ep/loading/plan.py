@@ -101,7 +101,7 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return out
 
 
-def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split paired index lists into runs where both advance by one: (src0, dst0, length)."""
     brk = np.ones(len(src), dtype=bool)
     brk[1:] = (np.diff(src) != 1) | (np.diff(dst) != 1)
@@ -157,7 +157,7 @@ def piece_ranges(
     file_strides, d_stride = _strides(file_shape), _strides(lshape)
     s_stride = [file_strides[dims[d]] for d in range(nd)]  # a model dim's step in the file
     if in_order or s_stride[k] == 1:  # in order, dims after k are whole: runs are contiguous
-        run_src, run_dst, run_len = _runs(src_pos[k], dst_pos[k])
+        run_src, run_dst, run_len = runs(src_pos[k], dst_pos[k])
     else:  # a transposed key: neighbours on the model's last dim are apart in the file
         run_src, run_dst, run_len = src_pos[k], dst_pos[k], np.ones_like(src_pos[k])
     src = run_src * s_stride[k]
