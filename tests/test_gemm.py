@@ -191,20 +191,35 @@ def test_bad_input_device_mismatch_named():
 # ---- bf16/fp16 paths: native (oneDNN) where the CPU has it, widened to fp32 elsewhere -----------
 # The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM forces either path, so both are
 # checked on every CPU (a forced native path on a CPU without the feature is slow, not wrong).
+# "avx512" sends every bf16 tile to the own AVX512-BF16 kernel; on a CPU without avx512_bf16 it
+# must refuse, naming the variable.
 
 HALF = [torch.bfloat16, torch.float16]
 HALF_IDS = ["bf16", "fp16"]
+HAS_AVX512_BF16 = bool(torch._C._cpu._get_cpu_capability().get("avx512_bf16"))
 
 
-@pytest.mark.parametrize("path", ["native", "widen"])
+def _set_path(monkeypatch, path, dtype):
+    """Force `path`; False where it cannot run on this CPU (after checking that it refuses)."""
+    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
+    if path == "avx512" and not HAS_AVX512_BF16:
+        with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU"):
+            torch.ops.grouped_ep.cpu_gemm_path(dtype)
+        return False
+    expect = {"native": "native", "widen": "widen", "avx512": "native: own avx512-bf16"}[path]
+    if path == "avx512" and dtype != torch.bfloat16:
+        expect = ""  # a bf16 kernel: fp16 keeps its automatic choice
+    assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(expect)
+    return True
+
+
+@pytest.mark.parametrize("path", ["native", "widen", "avx512"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
 def test_half_paths_match_reference(monkeypatch, path, dtype, pattern, trans_w):
-    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
-    assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(
-        "native" if path == "native" else "widen"
-    )
+    if not _set_path(monkeypatch, path, dtype):
+        return
     x, w, offs = make_case(pattern, k=48, n=40, dtype=dtype, trans_w=trans_w)
     out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
     assert_close(out, gemm_ref(x, w, offs, trans_w), dtype)
@@ -217,13 +232,14 @@ def test_half_paths_match_reference(monkeypatch, path, dtype, pattern, trans_w):
     assert torch.all(dw[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("path", ["native", "widen"])
+@pytest.mark.parametrize("path", ["native", "widen", "avx512"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     # 2048 products of 1 * (1 + 2^-7): exactly 2064 with fp32 accumulation (representable in
     # bf16 and fp16); a half-precision running sum stalls far below it (ulp 2 past 2048 in bf16,
     # and 1 + 2^-7 is lost against a sum of 256 in bf16 already).
-    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
+    if not _set_path(monkeypatch, path, dtype):
+        return
     k, value = 2048, 1 + 2**-7
     x = torch.ones(3, k, dtype=dtype)
     w = torch.full((2, k, 4), value, dtype=dtype)
@@ -233,6 +249,37 @@ def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     xt, dy = torch.ones(k, 3, dtype=dtype), torch.full((k, 4), value, dtype=dtype)
     dw = grouped_ep.gemm_wgrad(xt, dy, offsets([0, k]))
     assert torch.all(dw[0] == 0) and torch.all(dw[1] == 2064)
+
+
+@pytest.mark.parametrize("k", [1, 2, 31, 33, 64])
+@pytest.mark.parametrize("n", [1, 17, 32, 45])
+@pytest.mark.parametrize("layout", ["w_KN", "w_NK", "strided"])
+def test_own_bf16_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout):
+    # The own kernel packs pairs of K and panels of 32 columns: odd K (a pair with one value),
+    # N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows (micro-blocks of 8 rows and
+    # their tails), and strided views of x and w (packed through the general paths).
+    if not _set_path(monkeypatch, "avx512", torch.bfloat16):
+        return
+    g = torch.Generator().manual_seed(k * 100 + n)
+    sizes = [3, 0, 19, 1, 8, 9]
+    t = sum(sizes) + 2
+    trans_w = layout == "w_NK"
+    x = torch.randn(t, k, generator=g).bfloat16()
+    w = torch.randn(len(sizes), *((n, k) if trans_w else (k, n)), generator=g).bfloat16()
+    if layout == "strided":
+        # x with a row stride past K, w [E, K, N] with N's stride 2 and K's stride 1.
+        x = torch.randn(t, k + 5, generator=g).bfloat16()[:, 2 : 2 + k]
+        w = torch.randn(len(sizes), 2 * n, k, generator=g).bfloat16()[:, ::2, :].transpose(1, 2)
+    offs = offsets(sizes)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert_close(out, gemm_ref(x, w, offs, trans_w), torch.bfloat16)
+    assert torch.all(out[sum(sizes) :] == 0)
+    dy = torch.randn(t + 3, n, generator=g).bfloat16()[:t]
+    if layout == "strided":
+        dy = torch.randn(t, 3 * n, generator=g).bfloat16()[:, ::3]
+    dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
+    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), torch.bfloat16)
+    assert torch.all(dw[1] == 0)
 
 
 def test_half_path_follows_cpu_capability(monkeypatch):
@@ -252,5 +299,5 @@ def test_half_path_follows_cpu_capability(monkeypatch):
 def test_half_path_bad_env_named(monkeypatch):
     monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", "fast")
     x, w, offs = make_case("balanced", k=8, n=4, dtype=torch.bfloat16, trans_w=False)
-    with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be"):
+    with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be 'auto', 'native'"):
         grouped_ep.gemm(x, w, offs)

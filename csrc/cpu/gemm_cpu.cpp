@@ -5,13 +5,16 @@
 // few large ones both keep every core busy. Inside a task one BLAS call does the FLOPs; inside
 // at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription.
 //
-// bf16/fp16 take one of two paths, chosen at run time per (dtype, CPU) by `half_path`:
+// bf16/fp16 take one of two paths, chosen at run time per (dtype, CPU) by `half_plan`:
 // - native: the tiles go to at::mm as they are, so oneDNN runs its AMX / AVX512-BF16 /
 //   AVX512-FP16 kernels (the ones torch.mm uses for that dtype on this CPU), fp32 accumulation
 //   inside, one rounding at the end;
 // - widen: on CPUs without native low-precision GEMM, where torch's own bf16/fp16 matmul is
 //   slow, tiles are widened to fp32 for the product and narrowed once.
-// GROUPED_EP_CPU_HALF_GEMM=native|widen overrides the choice (tests run both on any CPU).
+// On the native path, bf16 tiles too small to pay oneDNN's per-call set-up (about 16 us on an
+// AVX512-BF16 CPU) go to this project's own AVX512-BF16 kernel (bf16_avx512.cpp) instead.
+// GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 overrides the choice (tests run each on any CPU
+// that has it): native sends every tile to oneDNN, avx512 every bf16 tile to the own kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
@@ -21,9 +24,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "bf16_avx512.h"
 #include "checks.h"
 
 namespace grouped_ep {
@@ -42,13 +47,17 @@ std::vector<Task> plan_tasks(const std::vector<int64_t>& rows, const std::vector
   double total = 0;
   for (size_t g = 0; g < rows.size(); ++g) total += rows[g] * row_flops[g];
   const int threads = std::max(1, at::get_num_threads());
-  // Several tasks per thread for balance, but not so small that call overhead dominates.
-  const double target = std::max(total / (threads * 4.0), 4.0e6);
+  // Several tasks per thread for balance, but not so small that call overhead dominates; one
+  // thread gains nothing from splitting. A chunk keeps at least kMinRows rows: every chunk of a
+  // group reads (and the own bf16 kernel packs) the group's whole weight.
+  constexpr int64_t kMinRows = 64;
+  const double target = threads == 1 ? total + 1 : std::max(total / (threads * 4.0), 4.0e6);
   std::vector<Task> tasks;
   for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
     if (rows[g] == 0) continue;
     const double f = rows[g] * row_flops[g];
-    int64_t chunks = std::min<int64_t>(rows[g], std::max<int64_t>(1, static_cast<int64_t>(f / target)));
+    int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, rows[g] / kMinRows),
+                                       std::max<int64_t>(1, static_cast<int64_t>(f / target)));
     // Keep chunk boundaries on multiples of 8 rows where possible (vector-friendly for BLAS).
     int64_t step = (rows[g] + chunks - 1) / chunks;
     if (step > 8) step = (step + 7) / 8 * 8;
@@ -104,40 +113,87 @@ std::string native_feature(at::ScalarType dt) {
 
 enum class HalfPath { kNative, kWiden };
 
-// The path for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
-// given, gets a short reason for the bench output.
-HalfPath half_path(at::ScalarType dt, std::string* why = nullptr) {
-  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
-  if (env && *env && std::strcmp(env, "auto") != 0) {
-    const bool native = std::strcmp(env, "native") == 0;
-    GE_CHECK(native || std::strcmp(env, "widen") == 0,
-             "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
-             " must be 'auto', 'native' or 'widen'");
-    if (why) *why = "forced by GROUPED_EP_CPU_HALF_GEMM";
-    return native ? HalfPath::kNative : HalfPath::kWiden;
-  }
-  const auto feature = native_feature(dt);
-  if (why) {
-    *why = feature.empty() ? std::string("no amx/avx512 ") + (dt == at::kBFloat16 ? "bf16" : "fp16") +
-                                 (at::hasMKLDNN() ? "" : " (torch without oneDNN)")
-                           : feature;
-  }
-  return feature.empty() ? HalfPath::kWiden : HalfPath::kNative;
+// How a call computes its tiles: the half path, and for bf16 on the native path the FLOP count
+// under which a tile goes to the own AVX512-BF16 kernel (0: never, infinity: always).
+struct Plan {
+  HalfPath path = HalfPath::kNative;
+  double own_below = 0;
+};
+
+bool has_avx512_bf16() {
+  static const bool has = [] {
+    if (!bf16_avx512_compiled()) return false;
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("avx512_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return has;
 }
 
-// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view; `path` is
-// half_path(dtype), looked up once per call of the op, not per tile.
-void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, HalfPath path) {
+// Tiles below this many FLOPs take the own kernel on the native bf16 path. Measured on an
+// AVX512-BF16 CPU without AMX (bench/results, bf16 tile sweep): oneDNN's per-call set-up costs
+// about as much as the own kernel's lower peak at ~3e7 FLOPs. With AMX, oneDNN's peak is several
+// times the own kernel's, so only tiles whose whole cost is set-up-sized take it.
+double own_kernel_below() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto it = caps.find("amx_bf16");
+  const bool amx = it != caps.end() && it->second.isBool() && it->second.toBool();
+  return amx ? 1.0e6 : 1.5e8;
+}
+
+// The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
+// given, gets a short reason for the bench output.
+Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
+  const bool bf16 = dt == at::kBFloat16;
+  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
+  if (env && *env && std::strcmp(env, "auto") != 0) {
+    const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
+    GE_CHECK(native || own || std::strcmp(env, "widen") == 0,
+             "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
+             " must be 'auto', 'native', 'widen' or 'avx512'");
+    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU with ",
+             "avx512_bf16 (and an x86-64 GCC/Clang build); this one has none");
+    if (!own || bf16) {
+      if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
+                          : "forced by GROUPED_EP_CPU_HALF_GEMM";
+      if (own) return {HalfPath::kNative, std::numeric_limits<double>::infinity()};
+      return {native ? HalfPath::kNative : HalfPath::kWiden, 0};
+    }
+    // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
+  }
+  const auto feature = native_feature(dt);
+  if (feature.empty()) {
+    if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
+                    (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
+    return {HalfPath::kWiden, 0};
+  }
+  const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
+  if (why) {
+    *why = feature;
+    if (below > 0) *why += "; tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) +
+                           " MFLOP on the own avx512-bf16 kernel";
+  }
+  return {HalfPath::kNative, below};
+}
+
+// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view with unit
+// column stride; `plan` is looked up once per call of the op, not per tile.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Plan& plan) {
   const auto dt = out.scalar_type();
-  if (dt == at::kFloat || dt == at::kDouble || path == HalfPath::kNative) {
+  const double flops = 2.0 * a.size(0) * a.size(1) * b.size(1);
+  if (dt == at::kBFloat16 && flops < plan.own_below && out.stride(1) == 1) {
+    bf16_avx512_gemm(a.size(0), b.size(1), a.size(1), a.const_data_ptr<at::BFloat16>(), a.stride(0),
+                     a.stride(1), b.const_data_ptr<at::BFloat16>(), b.stride(0), b.stride(1),
+                     out.data_ptr<at::BFloat16>(), out.stride(0));
+  } else if (dt == at::kFloat || dt == at::kDouble || plan.path == HalfPath::kNative) {
     at::mm_out(out, a, b);
   } else {
     out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
   }
 }
 
-HalfPath path_for(at::ScalarType dt) {
-  return (dt == at::kBFloat16 || dt == at::kHalf) ? half_path(dt) : HalfPath::kNative;
+Plan plan_for(at::ScalarType dt) {
+  return (dt == at::kBFloat16 || dt == at::kHalf) ? half_plan(dt) : Plan{};
 }
 
 // "fp32", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
@@ -145,8 +201,8 @@ HalfPath path_for(at::ScalarType dt) {
 std::string cpu_gemm_path(at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
   std::string why;
-  const auto path = half_path(dtype, &why);
-  return (path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
+  const auto plan = half_plan(dtype, &why);
+  return (plan.path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& offs,
@@ -176,11 +232,11 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
     rows[g] = ends[g] - starts[g];
   }
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
-  const auto path = path_for(x.scalar_type());
+  const auto plan = plan_for(x.scalar_type());
   run_tasks(tasks, [&](const Task& t) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
     const auto w_g = trans_w ? w.select(0, t.group).t() : w.select(0, t.group);
-    mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g, path);
+    mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g, plan);
   });
   return out;
 }
@@ -213,12 +269,12 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
     row_flops[g] = 2.0 * rows[g] * Q;
   }
   const auto tasks = plan_tasks(out_rows, row_flops);
-  const auto path = path_for(x.scalar_type());
+  const auto plan = plan_for(x.scalar_type());
   run_tasks(tasks, [&](const Task& t) {
     const int64_t g = t.group, n = t.end - t.begin;
     const auto a_g = a.narrow(0, starts[g], rows[g]).narrow(1, t.begin, n);
     const auto b_g = b.narrow(0, starts[g], rows[g]);
-    mm_into(out.select(0, g).narrow(0, t.begin, n), a_g.t(), b_g, path);
+    mm_into(out.select(0, g).narrow(0, t.begin, n), a_g.t(), b_g, plan);
   });
   return out;
 }
