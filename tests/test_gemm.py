@@ -299,5 +299,7 @@ def test_half_path_follows_cpu_capability(monkeypatch):
 def test_half_path_bad_env_named(monkeypatch):
     monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", "fast")
     x, w, offs = make_case("balanced", k=8, n=4, dtype=torch.bfloat16, trans_w=False)
-    with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be 'auto', 'native'"):
+    with pytest.raises(
+        RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be 'auto', 'native'"
+    ):
         grouped_ep.gemm(x, w, offs)
