@@ -110,6 +110,34 @@ GE_AVX512_BF16 void pack_panel(const uint16_t* src, int64_t sk, int64_t sn, int6
     for (int64_t j = 0; j < cols; ++j) out[((k / 2) * kNR + j) * 2 + k % 2] = src[k * sk + (n0 + j) * sn];
 }
 
+// All of B, panel after panel: panel p ([pairs][32][2], columns 32p ..) at out + p * pairs * 64.
+// A row-major B is read in row order (two rows at a time, every panel's part of them), so the
+// reads stream through memory instead of striding down one 64-byte column strip per panel.
+GE_AVX512_BF16 void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, uint16_t* out) {
+  const int64_t pairs = (K + 1) / 2, stride = pairs * 2 * kNR;
+  if (sn != 1) {
+    for (int64_t n0 = 0, p = 0; n0 < N; n0 += kNR, ++p) pack_panel(src, sk, sn, K, N, n0, out + p * stride);
+    return;
+  }
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const uint16_t* r0 = src + 2 * kk * sk;
+    const bool second = 2 * kk + 1 < K;
+    for (int64_t n0 = 0, p = 0; n0 < N; n0 += kNR, ++p) {
+      const int64_t cols = N - n0 < kNR ? N - n0 : kNR;
+      const __mmask32 m = cols == kNR ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      const __m512i a = _mm512_maskz_loadu_epi16(m, r0 + n0);
+      const __m512i b = second ? _mm512_maskz_loadu_epi16(m, r0 + sk + n0) : _mm512_setzero_si512();
+      uint16_t* o = out + p * stride + kk * 2 * kNR;
+      _mm512_storeu_si512(o, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(o + kNR, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
 // C[i, 0:cols] = sum over pairs of A's pair (i, kk) . B's pair kk, for i < MR. A's pair (i, kk)
 // starts at a + i * am + kk * ak; `half_tail`: A has an odd K read in place, so the last pair is
 // A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
@@ -150,7 +178,7 @@ using Micro = void (*)(int64_t, bool, const uint16_t*, int64_t, int64_t, const u
 constexpr Micro kMicro[kMR + 1] = {nullptr,  micro<1>, micro<2>, micro<3>, micro<4>,
                                    micro<5>, micro<6>, micro<7>, micro<8>};
 
-// bpanel: pairs * 2 * kNR values; apack: pairs * 2 * mp values (mp = M rounded up to kNR), used
+// bpanel: pairs * 2 * kNR values per panel of B (N rounded up to kNR); apack: pairs * 2 * mp values (mp = M rounded up to kNR), used
 // only when A's K dimension is not contiguous (sak != 1).
 GE_AVX512_BF16 void gemm_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam,
                               int64_t sak, const uint16_t* b, int64_t sbk, int64_t sbn, uint16_t* c,
@@ -174,12 +202,18 @@ GE_AVX512_BF16 void gemm_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a
     half_tail = false;
     full_pairs = pairs;
   }
-  for (int64_t n0 = 0; n0 < N; n0 += kNR) {
+  // A read in place comes from memory once, in the first panel's pass: ask for all of it now,
+  // so it arrives while B is packed.
+  if (ap == a)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 32) _mm_prefetch(reinterpret_cast<const char*>(a + m * sam + k), _MM_HINT_T1);
+  pack_b(b, sbk, sbn, K, N, bpanel);
+  for (int64_t n0 = 0, p = 0; n0 < N; n0 += kNR, ++p) {
     const int64_t cols = N - n0 < kNR ? N - n0 : kNR;
-    pack_panel(b, sbk, sbn, K, N, n0, bpanel);
+    const uint16_t* panel = bpanel + p * pairs * 2 * kNR;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t mr = M - m0 < kMR ? M - m0 : kMR;
-      kMicro[mr](full_pairs, half_tail, ap + m0 * am, am, ak, bpanel, c + m0 * ldc + n0, ldc, cols);
+      kMicro[mr](full_pairs, half_tail, ap + m0 * am, am, ak, panel, c + m0 * ldc + n0, ldc, cols);
     }
   }
 }
@@ -204,7 +238,7 @@ void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, i
   // Scratch per thread, grown as needed (outside the AVX-512 functions, see the top).
   thread_local std::vector<uint16_t> bpanel, apack;
   const int64_t pairs = (K + 1) / 2, mp = (M + kNR - 1) / kNR * kNR;
-  bpanel.resize(static_cast<size_t>(pairs * 2 * kNR));
+  bpanel.resize(static_cast<size_t>(pairs * 2 * ((N + kNR - 1) / kNR * kNR)));
   if (sak != 1) apack.resize(static_cast<size_t>(pairs * 2 * mp));
   gemm_impl(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b),
             sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc, bpanel.data(), apack.data());

@@ -176,16 +176,30 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   return {HalfPath::kNative, below};
 }
 
-// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view with unit
-// column stride; `plan` is looked up once per call of the op, not per tile.
+// A tile as raw operands for the own kernel: C[M, N] = A[M, K] @ B[K, N], any strides (no
+// tensor views are made per tile: at these sizes their cost shows).
+struct Tile {
+  int64_t M, N, K;
+  const at::BFloat16* a;
+  int64_t sam, sak;
+  const at::BFloat16* b;
+  int64_t sbk, sbn;
+  at::BFloat16* c;
+  int64_t ldc;
+};
+
+// Runs `tile` on the own bf16 kernel when the plan sends a tile of its size there.
+bool own_kernel(const Plan& plan, const Tile& t) {
+  if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
+  bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+  return true;
+}
+
+// out = a @ b, with fp32 accumulation for half types. `out` may be a strided view; `plan` is
+// looked up once per call of the op, not per tile.
 void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Plan& plan) {
   const auto dt = out.scalar_type();
-  const double flops = 2.0 * a.size(0) * a.size(1) * b.size(1);
-  if (dt == at::kBFloat16 && flops < plan.own_below && out.stride(1) == 1) {
-    bf16_avx512_gemm(a.size(0), b.size(1), a.size(1), a.const_data_ptr<at::BFloat16>(), a.stride(0),
-                     a.stride(1), b.const_data_ptr<at::BFloat16>(), b.stride(0), b.stride(1),
-                     out.data_ptr<at::BFloat16>(), out.stride(0));
-  } else if (dt == at::kFloat || dt == at::kDouble || plan.path == HalfPath::kNative) {
+  if (dt == at::kFloat || dt == at::kDouble || plan.path == HalfPath::kNative) {
     at::mm_out(out, a, b);
   } else {
     out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
@@ -233,8 +247,16 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   }
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
   const auto plan = plan_for(x.scalar_type());
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && plan.own_below > 0;
   run_tasks(tasks, [&](const Task& t) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
+    if (bf16) {
+      const auto* wp = w.const_data_ptr<at::BFloat16>() + t.group * w.stride(0);
+      const Tile tile{n, N, K, x.const_data_ptr<at::BFloat16>() + r0 * x.stride(0), x.stride(0), x.stride(1),
+                      wp, w.stride(trans_w ? 2 : 1), w.stride(trans_w ? 1 : 2),
+                      out.data_ptr<at::BFloat16>() + r0 * N, N};
+      if (own_kernel(plan, tile)) return;
+    }
     const auto w_g = trans_w ? w.select(0, t.group).t() : w.select(0, t.group);
     mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g, plan);
   });
@@ -270,8 +292,16 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   }
   const auto tasks = plan_tasks(out_rows, row_flops);
   const auto plan = plan_for(x.scalar_type());
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && plan.own_below > 0;
   run_tasks(tasks, [&](const Task& t) {
     const int64_t g = t.group, n = t.end - t.begin;
+    if (bf16) {
+      // A = a_g^T (columns t.begin .. of a's rows of group g), B = b's rows of group g.
+      const Tile tile{n, Q, rows[g], a.const_data_ptr<at::BFloat16>() + starts[g] * a.stride(0) + t.begin * a.stride(1),
+                      a.stride(1), a.stride(0), b.const_data_ptr<at::BFloat16>() + starts[g] * b.stride(0),
+                      b.stride(0), b.stride(1), out.data_ptr<at::BFloat16>() + (g * P + t.begin) * Q, Q};
+      if (own_kernel(plan, tile)) return;
+    }
     const auto a_g = a.narrow(0, starts[g], rows[g]).narrow(1, t.begin, n);
     const auto b_g = b.narrow(0, starts[g], rows[g]);
     mm_into(out.select(0, g).narrow(0, t.begin, n), a_g.t(), b_g, plan);
