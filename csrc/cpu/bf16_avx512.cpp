@@ -8,10 +8,11 @@
 // What it computes: C[M, N] = A[M, K] @ B[K, N] for bf16 A, B, C, accumulated in fp32 in registers
 // over the whole K and rounded once (round to nearest even), like oneDNN's bf16 path.
 //
-// How: B is packed per panel of 32 columns into vdpbf16ps's pair layout ([K/2][32][2]: the two
-// values of rows 2k and 2k+1 side by side), zero-padded in K and N. A is read in place when its
-// K dimension is contiguous, else packed the same way. The micro-kernel holds an 8 x 32 block of
-// C in 16 registers; each step broadcasts one pair of A and multiplies two vectors of B.
+// How: B is packed whole, in panels of 32 columns, into vdpbf16ps's pair layout ([K/2][32][2]:
+// the values of rows 2k and 2k+1 side by side), zero-padded in K and N. A is read in place when
+// its K dimension is contiguous (prefetched while B is packed), else packed the same way. The
+// micro-kernel holds an 8 x 32 block of C in 16 registers; each step broadcasts one pair of A
+// and multiplies two vectors of B.
 //
 // Only the functions under the target attribute use AVX-512, and they instantiate no library
 // template (scratch is allocated outside them), so no inline function shared with other files is
