@@ -25,7 +25,7 @@ TORCH_LIBRARY(grouped_ep, m) {
   m.def("backend_info(str? set_backend=None, int device=-1, ScalarType? dtype=None, int k=0, "
         "int n=0) -> str[]");
   // What the CPU gemm does for `dtype` on this CPU: "native: avx512_bf16", "widen to fp32: ...",
-  // chosen at run time from CPU capability (GROUPED_EP_CPU_HALF_GEMM=native|widen overrides).
+  // chosen at run time from CPU capability (GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 overrides).
   m.def("cpu_gemm_path(ScalarType dtype) -> str");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------
