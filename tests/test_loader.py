@@ -593,3 +593,47 @@ def test_buffers_from_init_weights_and_rebuild_never_touch_loaded_tensors():
     assert torch.equal(values["pos"], torch.arange(3, dtype=torch.float32))
     assert torch.equal(model.emb.weight, torch.full((3, 2), 0.5))  # not re-initialized
     assert model.emb.scale.is_meta and model.emb.weight.device.type == "cpu"
+
+
+def test_box_fast_path_equals_index_lists():
+    # plan_target plans consecutive owned indices (Shard, Replicate) with interval arithmetic;
+    # it must give exactly the ranges of the general index-list path, for whole keys and for
+    # pieces that are a corner of a larger key, including empty intersections.
+    import random
+
+    from grouped_ep.loading.safetensors import TensorEntry
+
+    rng = random.Random(0)
+    nonempty = 0
+    for _ in range(3000):
+        nd = rng.randint(1, 4)
+        gshape = tuple(rng.randint(1, 7) for _ in range(nd))
+        owned = []
+        for n in gshape:
+            a = rng.randint(0, n)
+            b = rng.randint(a, n)
+            owned.append(None if rng.random() < 0.4 else np.arange(a, b, dtype=np.int64))
+        off = tuple(rng.randint(0, n - 1) for n in gshape)
+        shape = tuple(rng.randint(1, n - o) for n, o in zip(gshape, off))
+        corner = None if rng.random() < 0.5 else tuple(rng.randint(0, 3) for _ in range(nd))
+        fshape = (
+            shape
+            if corner is None
+            else tuple(s + c + rng.randint(0, 3) for s, c in zip(shape, corner))
+        )
+        entry = TensorEntry("k", "f", torch.bfloat16, fshape, 1000, 2 * math.prod(fshape))
+        piece = sf.Piece(entry, off, shape, corner)
+        box = sf.owned_boxes(owned, gshape)
+        assert box is not None
+        slow = sf.piece_ranges(owned, gshape, piece)
+        fast = sf.piece_ranges(owned, gshape, piece, box)
+        for a, b in zip(slow, fast):
+            assert np.array_equal(np.asarray(a, np.int64), np.asarray(b, np.int64)), (
+                gshape,
+                owned,
+                piece,
+            )
+        nonempty += len(slow[0]) > 0
+    assert nonempty > 500
+    # Non-consecutive indices (_StridedShard) have no box: the index-list path plans them.
+    assert sf.owned_boxes([np.array([0, 2, 4])], (6,)) is None

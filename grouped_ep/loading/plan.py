@@ -110,22 +110,71 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return src[starts], dst[starts], lengths
 
 
+def owned_boxes(owned: list[np.ndarray | None], global_shape: tuple[int, ...]):
+    """`owned` as one [begin, end) range per dim when every dim's indices are consecutive (Shard
+    and Replicate placements; not _StridedShard), else None."""
+    out = []
+    for n, o in zip(global_shape, owned):
+        if o is None:
+            out.append((0, n))
+        elif len(o) == 0:
+            out.append((0, 0))
+        elif int(o[-1]) - int(o[0]) == len(o) - 1 and (len(o) < 2 or bool(np.all(np.diff(o) == 1))):
+            out.append((int(o[0]), int(o[0]) + len(o)))
+        else:
+            return None
+    return out
+
+
+def _box_ranges(box: list[tuple[int, int]], piece: Piece):
+    """piece_ranges for an owned box and a piece in dim order: interval arithmetic, no index
+    lists (planning a model with thousands of experts runs this once per checkpoint key)."""
+    nd, item = len(box), piece.entry.dtype.itemsize
+    file_shape = piece.shape if piece.is_whole else tuple(piece.entry.shape)
+    corner = piece.file_offset or (0,) * nd
+    count, s0, d0 = [], [], []
+    for d, (lo, hi) in enumerate(box):
+        a, b = max(lo, piece.offset[d]), min(hi, piece.offset[d] + piece.shape[d])
+        if b <= a:
+            return (np.zeros(0, np.int64),) * 3
+        count.append(b - a)
+        s0.append(a - piece.offset[d] + corner[d])
+        d0.append(a - lo)
+    lshape = [hi - lo for lo, hi in box]
+    k = nd - 1  # dims after k are whole in the file and in the local tensor: one run
+    while k > 0 and s0[k] == 0 and d0[k] == 0 and count[k] == file_shape[k] == lshape[k]:
+        k -= 1
+    f_stride, d_stride = _strides(file_shape), _strides(lshape)
+    src = np.array([s0[k] * f_stride[k]], np.int64)
+    dst = np.array([d0[k] * d_stride[k]], np.int64)
+    for d in range(k - 1, -1, -1):
+        steps = np.arange(count[d], dtype=np.int64)
+        src = np.add.outer((steps + s0[d]) * f_stride[d], src).ravel()
+        dst = np.add.outer((steps + d0[d]) * d_stride[d], dst).ravel()
+    length = np.full(len(src), count[k] * math.prod(count[k + 1 :]), np.int64)
+    return piece.entry.start + src * item, dst * item, length * item
+
+
 def piece_ranges(
     owned: list[np.ndarray | None],
     global_shape: tuple[int, ...],
     piece: Piece,
+    box: list[tuple[int, int]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Byte ranges of `piece` that land in this rank's local tensor.
 
     Returns (src, dst, length) int64 arrays: src is an absolute file offset, dst a byte offset
     into the contiguous local tensor `[local_shape]` held in the checkpoint's dtype. Innermost
     dims that are whole on both sides are merged, so a row-sharded matrix is a single range.
+    `box`: `owned_boxes(owned, global_shape)` when known (the fast path for consecutive indices).
     """
     empty = (np.zeros(0, np.int64),) * 3
     item = piece.entry.dtype.itemsize
     nd = len(global_shape)
     if nd == 0:
         return np.array([piece.entry.start]), np.array([0]), np.array([item])
+    if box is not None and piece.file_dims in (None, tuple(range(nd))):
+        return _box_ranges(box, piece)
     lshape = local_shape(global_shape, owned)
     dims = piece.file_dims or tuple(range(nd))
     in_order = dims == tuple(range(nd))
@@ -259,8 +308,9 @@ def plan_target(target: Target, file_ids: dict[str, int], device: torch.device |
     target.read_dtype = src_dtype
     target.device = torch.device(device or "cpu") if t.is_meta else local_tensor(t).device
     files, srcs, dsts, lens = [], [], [], []
+    box = owned_boxes(owned, tuple(t.shape))
     for piece in target.pieces:
-        src, dst, length = piece_ranges(owned, tuple(t.shape), piece)
+        src, dst, length = piece_ranges(owned, tuple(t.shape), piece, box)
         files.append(np.full(len(src), file_ids[piece.entry.path], np.int64))
         srcs.append(src)
         dsts.append(dst)
