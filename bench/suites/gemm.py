@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import grouped_ep
-from suites._timing import median_seconds
+from suites._timing import interleaved_medians
 
 TITLE = "grouped GEMM (GFLOP/s; *_x = grouped_ep speed / baseline speed)"
 
@@ -106,6 +106,7 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
     # A baseline with no fast kernel on this CPU (fp16 matmul without AVX512-FP16/AMX) can take
     # minutes per call: time it fewer times rather than not at all.
     budget_s = None if device.startswith("cuda") else 20.0
+    steps = {}
     for name, fn in _impls(offs, sizes, case.trans_w).items():
         xi = x.detach().requires_grad_(backward)
         wi = (dense_w if name == "dense" else w).detach().requires_grad_(backward)
@@ -116,12 +117,16 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
                 xi.grad = wi.grad = None
                 out.backward(dy)
 
-        try:
-            seconds = median_seconds(step, device, reps=reps, warmup=2, budget_s=budget_s)
-            gflops[name] = flops / seconds / 1e9
-        except (RuntimeError, NotImplementedError) as e:  # a baseline that refuses the inputs
+        steps[name] = step
+    # Every method timed in the same rounds: a slow spell of the machine hits all of them.
+    for name, got in interleaved_medians(
+        steps, device, reps=reps, warmup=2, budget_s=budget_s
+    ).items():
+        if isinstance(got, Exception):  # a baseline that refuses the inputs
             gflops[name] = float("nan")
-            row.setdefault("note", f"{name}: {str(e).splitlines()[0][:60]}")
+            row.setdefault("note", f"{name}: {str(got).splitlines()[0][:60]}")
+        else:
+            gflops[name] = flops / got / 1e9
     for name, v in gflops.items():
         row[f"{name}_gflops"] = v
     for base in ("grouped_mm", "loop", "dense"):
