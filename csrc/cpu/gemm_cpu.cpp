@@ -132,8 +132,8 @@ bool has_avx512_bf16() {
 }
 
 // Tiles below this many FLOPs take the own kernel on the native bf16 path. Measured on an
-// AVX512-BF16 CPU without AMX (AMD EPYC, one thread, 2026-11-23): the own kernel ran at 1.0x to
-// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows (0.5 to 200 MFLOP) and at 0.93x to 1.0x for
+// AVX512-BF16 CPU without AMX (AMD EPYC, one thread, 2026-11-23): the own kernel ran at 0.98x to
+// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows (0.5 to 200 MFLOP) and at 0.92x to 1.22x for
 // 128 to 512 rows, so tiles under 150 MFLOP go to it. With AMX (not measured here: no such CPU
 // was available) oneDNN's peak is several times the kernel's, so only tiles of about the size of
 // oneDNN's set-up cost (1 MFLOP, ~16 us at this kernel's rate) take it.
