@@ -72,26 +72,10 @@ GE_AVX512_BF16 void transpose16(const uint16_t* src, int64_t sn, int64_t rows, i
 }
 
 // out[kk][j][2] = (src(2kk, n0 + j), src(2kk + 1, n0 + j)) for j < 32, zero outside K x N.
-// src(k, n) = src[k * sk + n * sn].
+// src(k, n) = src[k * sk + n * sn], with sn != 1 (pack_b interleaves contiguous rows itself).
 GE_AVX512_BF16 void pack_panel(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N,
                               int64_t n0, uint16_t* out) {
   const int64_t pairs = (K + 1) / 2, cols = N - n0 < kNR ? N - n0 : kNR;
-  if (sn == 1) {
-    // Two rows of 32 values, interleaved element by element with one permute each half.
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-    const __mmask32 m = cols == kNR ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-    for (int64_t kk = 0; kk < pairs; ++kk) {
-      const uint16_t* r0 = src + 2 * kk * sk + n0;
-      const __m512i a = _mm512_maskz_loadu_epi16(m, r0);
-      const __m512i b = 2 * kk + 1 < K ? _mm512_maskz_loadu_epi16(m, r0 + sk) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + kk * 2 * kNR, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(out + kk * 2 * kNR + kNR, _mm512_permutex2var_epi16(a, hi, b));
-    }
-    return;
-  }
   std::memset(out, 0, pairs * 2 * kNR * sizeof(uint16_t));
   if (sk == 1) {
     // Each pair is contiguous in the source: a transpose of 32-bit values, 16 x 16 at a time.
@@ -179,33 +163,27 @@ using Micro = void (*)(int64_t, bool, const uint16_t*, int64_t, int64_t, const u
 constexpr Micro kMicro[kMR + 1] = {nullptr,  micro<1>, micro<2>, micro<3>, micro<4>,
                                    micro<5>, micro<6>, micro<7>, micro<8>};
 
-// bpanel: pairs * 2 * kNR values per panel of B (N rounded up to kNR); apack: pairs * 2 * mp values (mp = M rounded up to kNR), used
-// only when A's K dimension is not contiguous (sak != 1).
+// bpanel: pairs * 2 * kNR values per panel of B (N rounded up to kNR); apack: the same for A's
+// rows (M rounded up to kNR), used only when A's K dimension is not contiguous (sak != 1).
 GE_AVX512_BF16 void gemm_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam,
                               int64_t sak, const uint16_t* b, int64_t sbk, int64_t sbn, uint16_t* c,
                               int64_t ldc, uint16_t* bpanel, uint16_t* apack) {
   const int64_t pairs = (K + 1) / 2;
-  // A in place when its pairs are contiguous; else packed once as [pairs][mp][2], 32 rows at a
-  // time through bpanel (A's K dim is the pair dim, its M dim the columns).
-  const uint16_t* ap = a;
+  // A in place when its pairs are contiguous; else packed like B, its K dim as the pair dim and
+  // its rows as the columns: 32-row panels of [pairs][32][2], 8-row blocks never straddle one.
+  const bool packed = sak != 1;
   int64_t am = sam, ak = 2, full_pairs = K / 2;
   bool half_tail = K % 2 == 1;
-  if (sak != 1) {
-    const int64_t mp = (M + kNR - 1) / kNR * kNR;
-    for (int64_t m0 = 0; m0 < M; m0 += kNR) {
-      pack_panel(a, sak, sam, K, M, m0, bpanel);
-      for (int64_t kk = 0; kk < pairs; ++kk)
-        std::memcpy(apack + (kk * mp + m0) * 2, bpanel + kk * 2 * kNR, 2 * kNR * sizeof(uint16_t));
-    }
-    ap = apack;
+  if (packed) {
+    pack_b(a, sak, sam, K, M, apack);
     am = 2;
-    ak = 2 * mp;
+    ak = 2 * kNR;
     half_tail = false;
     full_pairs = pairs;
   }
   // A read in place comes from memory once, in the first panel's pass: ask for all of it now,
   // so it arrives while B is packed.
-  if (ap == a)
+  if (!packed)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; k += 32) _mm_prefetch(reinterpret_cast<const char*>(a + m * sam + k), _MM_HINT_T1);
   pack_b(b, sbk, sbn, K, N, bpanel);
@@ -214,7 +192,8 @@ GE_AVX512_BF16 void gemm_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a
     const uint16_t* panel = bpanel + p * pairs * 2 * kNR;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t mr = M - m0 < kMR ? M - m0 : kMR;
-      kMicro[mr](full_pairs, half_tail, ap + m0 * am, am, ak, panel, c + m0 * ldc + n0, ldc, cols);
+      const uint16_t* a0 = packed ? apack + (m0 / kNR) * pairs * 2 * kNR + (m0 % kNR) * 2 : a + m0 * sam;
+      kMicro[mr](full_pairs, half_tail, a0, am, ak, panel, c + m0 * ldc + n0, ldc, cols);
     }
   }
 }

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -96,15 +97,19 @@ const char* const* native_features(at::ScalarType dt) {
   return dt == at::kBFloat16 ? bf16 : fp16;
 }
 
+// Whether this CPU has `feature` (a cpuinfo name, as at::cpu::get_cpu_capabilities() spells it).
+bool cpu_has(const char* feature) {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto it = caps.find(feature);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
 // The first native feature this CPU has for `dt`, or "" (computed once per dtype).
 std::string native_feature(at::ScalarType dt) {
   auto detect = [](at::ScalarType d) -> std::string {
     if (!at::hasMKLDNN()) return "";
-    const auto caps = at::cpu::get_cpu_capabilities();
-    for (const char* const* f = native_features(d); *f; ++f) {
-      const auto it = caps.find(*f);
-      if (it != caps.end() && it->second.isBool() && it->second.toBool()) return *f;
-    }
+    for (const char* const* f = native_features(d); *f; ++f)
+      if (cpu_has(*f)) return *f;
     return "";
   };
   static const std::string bf16 = detect(at::kBFloat16), fp16 = detect(at::kHalf);
@@ -114,20 +119,15 @@ std::string native_feature(at::ScalarType dt) {
 enum class HalfPath { kNative, kWiden };
 
 // How a call computes its tiles: the half path, and for bf16 on the native path the FLOP count
-// under which a tile goes to the own AVX512-BF16 kernel (0: never, infinity: always).
+// under which a tile goes to the own AVX512-BF16 kernel (0: never; infinity: every tile, whatever
+// its shape, as GROUPED_EP_CPU_HALF_GEMM=avx512 asks).
 struct Plan {
   HalfPath path = HalfPath::kNative;
   double own_below = 0;
-  bool own_always = false;  // GROUPED_EP_CPU_HALF_GEMM=avx512: every bf16 tile, whatever its shape
 };
 
 bool has_avx512_bf16() {
-  static const bool has = [] {
-    if (!bf16_avx512_compiled()) return false;
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto it = caps.find("avx512_bf16");
-    return it != caps.end() && it->second.isBool() && it->second.toBool();
-  }();
+  static const bool has = bf16_avx512_compiled() && cpu_has("avx512_bf16");
   return has;
 }
 
@@ -138,10 +138,8 @@ bool has_avx512_bf16() {
 // was available) oneDNN's peak is several times the kernel's, so only tiles of about the size of
 // oneDNN's set-up cost (1 MFLOP, ~16 us at this kernel's rate) take it.
 double own_kernel_below() {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  const auto it = caps.find("amx_bf16");
-  const bool amx = it != caps.end() && it->second.isBool() && it->second.toBool();
-  return amx ? 1.0e6 : 1.5e8;
+  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.5e8;
+  return below;
 }
 
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
@@ -159,7 +157,7 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
     if (!own || bf16) {
       if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
                           : "forced by GROUPED_EP_CPU_HALF_GEMM";
-      if (own) return {HalfPath::kNative, std::numeric_limits<double>::infinity(), true};
+      if (own) return {HalfPath::kNative, std::numeric_limits<double>::infinity()};
       return {native ? HalfPath::kNative : HalfPath::kWiden, 0};
     }
     // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
@@ -199,7 +197,8 @@ struct Tile {
 bool own_kernel(const Plan& plan, const Tile& t) {
   if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
   const double kn = static_cast<double>(t.K) * t.N;
-  if (!plan.own_always && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5))) return false;
+  const bool forced = std::isinf(plan.own_below);
+  if (!forced && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5))) return false;
   bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
   return true;
 }
