@@ -9,44 +9,19 @@ from collections.abc import Callable
 import torch
 
 
-def median_seconds(
-    fn: Callable[[], object],
-    device: str,
-    reps: int = 10,
-    warmup: int = 2,
-    budget_s: float | None = None,
-) -> float:
-    """Median wall time of `reps` calls of `fn` after `warmup` calls. With `budget_s` (CPU), a
-    call so slow that warm-up plus repeats would pass the budget cuts both down (at least one
-    warm-up call and one timed call)."""
-    if budget_s is not None and not device.startswith("cuda"):
+def _seconds(fn: Callable[[], object], cuda: bool) -> float:
+    """Wall time of one call of `fn` (CUDA events around it on the GPU)."""
+    if not cuda:
         t0 = time.perf_counter()
         fn()
-        first = time.perf_counter() - t0
-        if first > 0:
-            fit = int(budget_s / first)
-            warmup = min(warmup - 1, max(0, fit - reps))
-            reps = max(1, min(reps, fit))
-        else:
-            warmup -= 1
-    for _ in range(max(0, warmup)):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def interleaved_medians(
@@ -55,16 +30,17 @@ def interleaved_medians(
     reps: int = 10,
     warmup: int = 2,
     budget_s: float | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | Exception]:
     """Median wall time of each callable, timed in rounds (one call of each per round), so a
     machine that slows down for a while slows every method alike instead of the one being timed
     then: ratios between them stay honest on a shared machine. With `budget_s` (CPU), a method
     so slow that its repeats would pass the budget is timed fewer times (at least once).
 
-    A callable that raises is reported as the exception instead of a time."""
+    A callable that raises RuntimeError or NotImplementedError is reported as the exception
+    instead of a time."""
     cuda = device.startswith("cuda")
     left: dict[str, int] = {}
-    out: dict[str, object] = {}
+    out: dict[str, list[float] | Exception] = {}
     for name, fn in fns.items():
         try:
             t0 = time.perf_counter()
@@ -81,22 +57,22 @@ def interleaved_medians(
             out[name] = e
     while any(left.values()):
         for name, fn in fns.items():
-            if not left.get(name):
-                continue
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out[name].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out[name].append(time.perf_counter() - t0)
-            left[name] -= 1
+            if left.get(name):
+                out[name].append(_seconds(fn, cuda))
+                left[name] -= 1
     return {k: v if isinstance(v, Exception) else statistics.median(v) for k, v in out.items()}
+
+
+def median_seconds(
+    fn: Callable[[], object],
+    device: str,
+    reps: int = 10,
+    warmup: int = 2,
+    budget_s: float | None = None,
+) -> float:
+    """Median wall time of `reps` calls of `fn` after `warmup` calls (interleaved_medians of one
+    callable; its error is raised)."""
+    got = interleaved_medians({"fn": fn}, device, reps, warmup, budget_s)["fn"]
+    if isinstance(got, Exception):
+        raise got
+    return got
