@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from grouped_ep import checkpoint as ck
+from suites._timing import interleaved_medians
 
 TITLE = "checkpoint save/load vs plain DCP (*_x = grouped_ep speed / plain DCP speed; peak RSS growth of a load in MB; blocked_* = seconds a save holds the training loop)"
 
@@ -104,16 +105,12 @@ def plain_load(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None) 
 
 
 def _alternating(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Median seconds of each fn, run in turn rep by rep after one warm-up each."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    """Median wall seconds of each fn, run in turn rep by rep after one warm-up each."""
+    got = interleaved_medians({str(i): fn for i, fn in enumerate(fns)}, "cpu", reps=reps, warmup=1)
+    for v in got.values():
+        if isinstance(v, Exception):
+            raise v
+    return list(got.values())
 
 
 def _status_kb(field: str) -> int:
