@@ -188,29 +188,57 @@ def test_bad_input_device_mismatch_named():
         torch.ops.grouped_ep.gemm(X, W.to("meta"), OFFS, False)
 
 
-# ---- bf16/fp16 paths: native (oneDNN) where the CPU has it, widened to fp32 elsewhere -----------
-# The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM forces either path, so both are
-# checked on every CPU (a forced native path on a CPU without the feature is slow, not wrong).
-# "avx512" sends every bf16 tile to the own AVX512-BF16 kernel; on a CPU without avx512_bf16 it
-# must refuse, naming the variable.
+# ---- CPU paths: bf16/fp16 native (oneDNN) or widened to fp32, fp32 BLAS or the own kernel ------
+# The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM and GROUPED_EP_CPU_F32_GEMM force each
+# path, so all are checked on every CPU (a forced native path on a CPU without the feature is
+# slow, not wrong). "avx512" sends every bf16 (fp32) tile to the own AVX-512 kernel; on a CPU
+# without avx512_bf16 it must refuse, naming the variable.
 
 HALF = [torch.bfloat16, torch.float16]
 HALF_IDS = ["bf16", "fp16"]
 HAS_AVX512_BF16 = bool(torch._C._cpu._get_cpu_capability().get("avx512_bf16"))
 
 
+def _is_amd_cpu() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "AuthenticAMD" in f.read()
+
+
 def _set_path(monkeypatch, path, dtype):
     """Force `path`; False where it cannot run on this CPU (after checking that it refuses)."""
-    monkeypatch.setenv("GROUPED_EP_CPU_HALF_GEMM", path)
+    var = "GROUPED_EP_CPU_F32_GEMM" if dtype == torch.float32 else "GROUPED_EP_CPU_HALF_GEMM"
+    monkeypatch.setenv(var, path)
     if path == "avx512" and not HAS_AVX512_BF16:
-        with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU"):
+        with pytest.raises(RuntimeError, match=f"{var}=avx512 needs a CPU"):
             torch.ops.grouped_ep.cpu_gemm_path(dtype)
         return False
-    expect = {"native": "native", "widen": "widen", "avx512": "native: own avx512-bf16"}[path]
-    if path == "avx512" and dtype != torch.bfloat16:
+    expect = {
+        "native": "native",
+        "widen": "widen",
+        "blas": "blas",
+        "avx512": "avx512: own" if dtype == torch.float32 else "native: own avx512-bf16",
+    }[path]
+    if path == "avx512" and dtype == torch.float16:
         expect = ""  # a bf16 kernel: fp16 keeps its automatic choice
     assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(expect)
     return True
+
+
+@pytest.mark.parametrize("path", ["blas", "avx512"])
+@pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_f32_paths_match_reference(monkeypatch, path, pattern, trans_w):
+    if not _set_path(monkeypatch, path, torch.float32):
+        return
+    x, w, offs = make_case(pattern, k=48, n=40, dtype=torch.float32, trans_w=trans_w)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert_close(out, gemm_ref(x, w, offs, trans_w), torch.float32)
+    assert torch.all(out[int(offs[-1]) :] == 0)
+    dy = torch.randn(x.shape[0], 40) / 40**0.5
+    dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
+    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), torch.float32)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.all(dw[sizes == 0] == 0)
 
 
 @pytest.mark.parametrize("path", ["native", "widen", "avx512"])
@@ -254,31 +282,33 @@ def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
 @pytest.mark.parametrize("k", [1, 2, 31, 33, 64])
 @pytest.mark.parametrize("n", [1, 17, 32, 45])
 @pytest.mark.parametrize("layout", ["w_KN", "w_NK", "strided"])
-def test_own_bf16_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout):
-    # The own kernel packs pairs of K and panels of 32 columns: odd K (a pair with one value),
-    # N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows (micro-blocks of 8 rows and
-    # their tails), and strided views of x and w (packed through the general paths).
-    if not _set_path(monkeypatch, "avx512", torch.bfloat16):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
+    # The own kernels pack steps of K (bf16: pairs) and panels of 32 columns: odd K (a bf16
+    # pair with one value), N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows
+    # (micro-blocks of 8 rows and their tails), and strided views of x and w (packed through the
+    # general paths).
+    if not _set_path(monkeypatch, "avx512", dtype):
         return
     g = torch.Generator().manual_seed(k * 100 + n)
     sizes = [3, 0, 19, 1, 8, 9]
     t = sum(sizes) + 2
     trans_w = layout == "w_NK"
-    x = torch.randn(t, k, generator=g).bfloat16()
-    w = torch.randn(len(sizes), *((n, k) if trans_w else (k, n)), generator=g).bfloat16()
+    x = torch.randn(t, k, generator=g).to(dtype)
+    w = torch.randn(len(sizes), *((n, k) if trans_w else (k, n)), generator=g).to(dtype)
     if layout == "strided":
         # x with a row stride past K, w [E, K, N] with N's stride 2 and K's stride 1.
-        x = torch.randn(t, k + 5, generator=g).bfloat16()[:, 2 : 2 + k]
-        w = torch.randn(len(sizes), 2 * n, k, generator=g).bfloat16()[:, ::2, :].transpose(1, 2)
+        x = torch.randn(t, k + 5, generator=g).to(dtype)[:, 2 : 2 + k]
+        w = torch.randn(len(sizes), 2 * n, k, generator=g).to(dtype)[:, ::2, :].transpose(1, 2)
     offs = offsets(sizes)
     out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
-    assert_close(out, gemm_ref(x, w, offs, trans_w), torch.bfloat16)
+    assert_close(out, gemm_ref(x, w, offs, trans_w), dtype)
     assert torch.all(out[sum(sizes) :] == 0)
-    dy = torch.randn(t + 3, n, generator=g).bfloat16()[:t]
+    dy = torch.randn(t + 3, n, generator=g).to(dtype)[:t]
     if layout == "strided":
-        dy = torch.randn(t, 3 * n, generator=g).bfloat16()[:, ::3]
+        dy = torch.randn(t, 3 * n, generator=g).to(dtype)[:, ::3]
     dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
-    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), torch.bfloat16)
+    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), dtype)
     assert torch.all(dw[1] == 0)
 
 
@@ -293,7 +323,16 @@ def test_half_path_follows_cpu_capability(monkeypatch):
     for dtype, is_native in expect.items():
         path = torch.ops.grouped_ep.cpu_gemm_path(dtype)
         assert path.startswith("native" if is_native else "widen"), (dtype, path, flags)
-    assert torch.ops.grouped_ep.cpu_gemm_path(torch.float32) == "as is: Float"
+    monkeypatch.delenv("GROUPED_EP_CPU_F32_GEMM", raising=False)
+    f32 = "avx512" if _is_amd_cpu() and HAS_AVX512_BF16 else "blas"
+    assert torch.ops.grouped_ep.cpu_gemm_path(torch.float32).startswith(f32 + ":")
+
+
+def test_f32_path_bad_env_named(monkeypatch):
+    monkeypatch.setenv("GROUPED_EP_CPU_F32_GEMM", "mkl")
+    x, w, offs = make_case("balanced", k=8, n=4, dtype=torch.float32, trans_w=False)
+    with pytest.raises(RuntimeError, match="GROUPED_EP_CPU_F32_GEMM=mkl must be 'auto', 'blas'"):
+        grouped_ep.gemm(x, w, offs)
 
 
 def test_half_path_bad_env_named(monkeypatch):

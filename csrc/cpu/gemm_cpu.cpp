@@ -2,20 +2,25 @@
 //
 // The work is cut into tasks of about equal FLOPs: a task is a chunk of output rows of one
 // group. Threads pull tasks from a shared counter (largest first), so many small groups and a
-// few large ones both keep every core busy. Inside a task one BLAS call does the FLOPs; inside
+// few large ones both keep every core busy. Inside a task one GEMM call does the FLOPs; inside
 // at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription.
 //
-// bf16/fp16 take one of two paths, chosen at run time per (dtype, CPU) by `half_plan`:
-// - native: the tiles go to at::mm as they are, so oneDNN runs its AMX / AVX512-BF16 /
-//   AVX512-FP16 kernels (the ones torch.mm uses for that dtype on this CPU), fp32 accumulation
-//   inside, one rounding at the end;
-// - widen: on CPUs without native low-precision GEMM, where torch's own bf16/fp16 matmul is
-//   slow, tiles are widened to fp32 for the product and narrowed once.
-// On the native path, bf16 tiles too small to pay oneDNN's per-call set-up (about 16 us on an
-// AVX512-BF16 CPU) go to this project's own AVX512-BF16 kernel (bf16_avx512.cpp) instead.
-// GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 overrides the choice (tests run each on any CPU
-// that has it): native sends every tile to oneDNN, avx512 every bf16 tile to the own kernel.
+// Which GEMM a tile gets is chosen at run time per (dtype, CPU):
+// - fp32: at::mm (MKL / OpenBLAS), or on AMD CPUs with AVX512-BF16 this project's own AVX-512
+//   kernel (avx512_gemm.cpp), which ran faster than MKL there (`f32_plan`);
+// - bf16/fp16, by `half_plan`: native, the tiles go to at::mm as they are, so oneDNN runs its
+//   AMX / AVX512-BF16 / AVX512-FP16 kernels (the ones torch.mm uses for that dtype on this CPU),
+//   fp32 accumulation inside, one rounding at the end; or widen, on CPUs without native
+//   low-precision GEMM, where torch's own bf16/fp16 matmul is slow: tiles are widened to fp32
+//   for the product and narrowed once. On the native path, bf16 tiles too small to pay oneDNN's
+//   per-call set-up (about 16 us on an AVX512-BF16 CPU) go to the own kernel instead.
+// The own kernels prefetch the next task's operands while they compute (`run_tasks` tells each
+// task which one its thread runs next).
+// GROUPED_EP_CPU_F32_GEMM=blas|avx512 and GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 override
+// the choice (tests run each on any CPU that has it): native sends every tile to oneDNN, avx512
+// every bf16 (fp32) tile to the own kernel.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <torch/library.h>
@@ -27,9 +32,10 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include "bf16_avx512.h"
+#include "avx512_gemm.h"
 #include "checks.h"
 
 namespace grouped_ep {
@@ -72,19 +78,25 @@ std::vector<Task> plan_tasks(const std::vector<int64_t>& rows, const std::vector
   return tasks;
 }
 
-// Runs fn(task) for every task, threads pulling the next task from a shared counter.
+// Runs fn(task, next) for every task, threads pulling tasks from a shared counter. Each thread
+// claims its next task before running the current one, so `next` (null for a thread's last) is
+// the task it runs after this one: the own kernel prefetches its operands meanwhile.
 template <typename Fn>
 void run_tasks(const std::vector<Task>& tasks, const Fn& fn) {
   if (tasks.empty()) return;
   const int64_t n = static_cast<int64_t>(tasks.size());
   if (n == 1 || at::get_num_threads() == 1) {
-    for (const auto& t : tasks) fn(t);
+    for (int64_t i = 0; i < n; ++i) fn(tasks[i], i + 1 < n ? &tasks[i + 1] : nullptr);
     return;
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(tasks[i]);
+    for (int64_t i = next.fetch_add(1); i < n;) {
+      const int64_t j = next.fetch_add(1);
+      fn(tasks[i], j < n ? &tasks[j] : nullptr);
+      i = j;
+    }
   });
 }
 
@@ -118,28 +130,66 @@ std::string native_feature(at::ScalarType dt) {
 
 enum class HalfPath { kNative, kWiden };
 
-// How a call computes its tiles: the half path, and for bf16 on the native path the FLOP count
-// under which a tile goes to the own AVX512-BF16 kernel (0: never; infinity: every tile, whatever
-// its shape, as GROUPED_EP_CPU_HALF_GEMM=avx512 asks).
+// How a call computes its tiles: the half path, and for bf16 (native path) and fp32 the FLOP
+// count under which a tile goes to the own AVX-512 kernel (0: never; infinity: every tile), and
+// whether the shape rules of `own_kernel` (measured for bf16 against oneDNN) apply on top.
 struct Plan {
   HalfPath path = HalfPath::kNative;
   double own_below = 0;
+  bool shape_rules = false;
 };
 
+constexpr double kEvery = std::numeric_limits<double>::infinity();
+
 bool has_avx512_bf16() {
-  static const bool has = bf16_avx512_compiled() && cpu_has("avx512_bf16");
+  static const bool has = avx512_gemm_compiled() && cpu_has("avx512_bf16");
   return has;
 }
 
-// Tiles below this many FLOPs take the own kernel on the native bf16 path. Measured on an
-// AVX512-BF16 CPU without AMX (AMD EPYC, one thread, 2026-11-23): the own kernel ran at 0.98x to
-// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows (0.5 to 200 MFLOP) and at 0.92x to 1.22x for
-// 128 to 512 rows, so tiles under 150 MFLOP go to it. With AMX (not measured here: no such CPU
-// was available) oneDNN's peak is several times the kernel's, so only tiles of about the size of
-// oneDNN's set-up cost (1 MFLOP, ~16 us at this kernel's rate) take it.
+// bf16 tiles below this many FLOPs take the own kernel on the native path. Measured on an
+// AVX512-BF16 CPU without AMX (AMD EPYC, 2026-11-23): one thread, the own kernel ran at 0.98x to
+// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows and at about 1.0x for 512 x 1024 x 1024
+// (1.07 GFLOP); inside the grouped GEMM, where it also prefetches the next tile, E=8 experts of
+// 512 rows and more (K = N = 1024) ran 0.99x to 1.14x against oneDNN per tile. Past a few
+// thousand rows oneDNN's blocking wins (4096 x 1024 x 1024: 0.85x), so tiles under 1.2 GFLOP
+// take it. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
+// times the kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us
+// at this kernel's rate) take it.
 double own_kernel_below() {
-  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.5e8;
+  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.2e9;
   return below;
+}
+
+// Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
+// set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
+// kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
+// 256 to 4096, up to a 64 MB weight), and 1.12x to 1.30x on the geomeans of the grouped GEMM
+// bench. On Intel CPUs MKL is the reference implementation and no Intel CPU was measured: fp32
+// stays with it there.
+bool f32_own_default() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd && has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512.
+Plan f32_plan(std::string* why = nullptr) {
+  const char* env = std::getenv("GROUPED_EP_CPU_F32_GEMM");
+  bool own = f32_own_default();
+  std::string reason = own ? "AMD CPU with avx512_bf16" : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
+  if (env && *env && std::strcmp(env, "auto") != 0) {
+    own = std::strcmp(env, "avx512") == 0;
+    GE_CHECK(own || std::strcmp(env, "blas") == 0, "gemm: environment variable GROUPED_EP_CPU_F32_GEMM=", env,
+             " must be 'auto', 'blas' or 'avx512'");
+    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx512 needs a CPU with ",
+             "avx512_bf16 (the kernels' instruction set; and an x86-64 GCC/Clang build); this one has none");
+    reason = "forced by GROUPED_EP_CPU_F32_GEMM";
+  }
+  if (why) *why = (own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
+  return {HalfPath::kNative, own ? kEvery : 0, false};
 }
 
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
@@ -157,8 +207,8 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
     if (!own || bf16) {
       if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
                           : "forced by GROUPED_EP_CPU_HALF_GEMM";
-      if (own) return {HalfPath::kNative, std::numeric_limits<double>::infinity()};
-      return {native ? HalfPath::kNative : HalfPath::kWiden, 0};
+      if (own) return {HalfPath::kNative, kEvery, false};
+      return {native ? HalfPath::kNative : HalfPath::kWiden, 0, false};
     }
     // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
   }
@@ -166,7 +216,7 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   if (feature.empty()) {
     if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
                     (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
-    return {HalfPath::kWiden, 0};
+    return {HalfPath::kWiden, 0, false};
   }
   const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
   if (why) {
@@ -174,33 +224,44 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
     if (below > 0) *why += "; tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) +
                            " MFLOP on the own avx512-bf16 kernel";
   }
-  return {HalfPath::kNative, below};
+  return {HalfPath::kNative, below, true};
 }
 
-// A tile as raw operands for the own kernel: C[M, N] = A[M, K] @ B[K, N], any strides (no
+// A tile as raw operands for the own kernels: C[M, N] = A[M, K] @ B[K, N], any strides (no
 // tensor views are made per tile: at these sizes their cost shows).
+template <typename T>
 struct Tile {
   int64_t M, N, K;
-  const at::BFloat16* a;
+  const T* a;
   int64_t sam, sak;
-  const at::BFloat16* b;
+  const T* b;
   int64_t sbk, sbn;
-  at::BFloat16* c;
+  T* c;
   int64_t ldc;
 };
 
-// Runs `tile` on the own bf16 kernel when the plan sends a tile of its size there. The kernel
-// packs all of B first; where B is too large to stay in L2, fewer than 32 rows of A do not repay
-// that extra pass (one thread, AMD EPYC, 2026-11-23: 1 to 16 rows of a 2048 x 768 weight at
-// 0.67x to 0.91x oneDNN, 32 rows at 1.05x), and over 4 MB of B it never did (4096 x 4096: 0.67x
-// to 0.81x).
-bool own_kernel(const Plan& plan, const Tile& t) {
+// Runs `tile` on the own kernel when the plan sends a tile of its size there. The kernel packs
+// B panel by panel; where B is too large to stay in L2, fewer than 32 rows of A do not repay that
+// extra pass (one thread, AMD EPYC, 2026-11-23: 1 to 16 rows of a 2048 x 768 weight at 0.67x to
+// 0.91x oneDNN, 32 rows at 1.05x), and over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x).
+template <typename T>
+bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
   const double kn = static_cast<double>(t.K) * t.N;
-  const bool forced = std::isinf(plan.own_below);
-  if (!forced && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5))) return false;
-  bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+  if (plan.shape_rules && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5))) return false;
+  if constexpr (std::is_same<T, float>::value)
+    f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
+  else
+    bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
   return true;
+}
+
+// The bytes of rows [row0, row0 + rows) of a contiguous tensor (else nothing) as span i of pf.
+void add_rows(Prefetch& pf, int i, const at::Tensor& t, int64_t row0, int64_t rows) {
+  if (rows <= 0 || !t.is_contiguous()) return;
+  const auto row = t.numel() / t.size(0);
+  pf.span[i] = static_cast<const char*>(t.const_data_ptr()) + row0 * row * t.element_size();
+  pf.bytes[i] = rows * row * t.element_size();
 }
 
 // out = a @ b, with fp32 accumulation for half types. `out` may be a strided view; `plan` is
@@ -215,14 +276,19 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Pla
 }
 
 Plan plan_for(at::ScalarType dt) {
+  if (dt == at::kFloat) return f32_plan();
   return (dt == at::kBFloat16 || dt == at::kHalf) ? half_plan(dt) : Plan{};
 }
 
-// "fp32", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
+// "avx512: own ...", "blas: ...", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
 // `dtype` on this CPU now (the bench prints it).
 std::string cpu_gemm_path(at::ScalarType dtype) {
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
   std::string why;
+  if (dtype == at::kFloat) {
+    f32_plan(&why);
+    return why;
+  }
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
   const auto plan = half_plan(dtype, &why);
   return (plan.path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
 }
@@ -255,15 +321,23 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   }
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
   const auto plan = plan_for(x.scalar_type());
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && plan.own_below > 0;
-  run_tasks(tasks, [&](const Task& t) {
+  const auto dt = x.scalar_type();
+  const bool own = (dt == at::kBFloat16 || dt == at::kFloat) && plan.own_below > 0;
+  run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
-    if (bf16) {
-      const auto* wp = w.const_data_ptr<at::BFloat16>() + t.group * w.stride(0);
-      const Tile tile{n, N, K, x.const_data_ptr<at::BFloat16>() + r0 * x.stride(0), x.stride(0), x.stride(1),
-                      wp, w.stride(trans_w ? 2 : 1), w.stride(trans_w ? 1 : 2),
-                      out.data_ptr<at::BFloat16>() + r0 * N, N};
-      if (own_kernel(plan, tile)) return;
+    if (own) {
+      Prefetch next;  // the next task's rows of x and, for another group, its weight
+      if (after) {
+        add_rows(next, 0, x, starts[after->group] + after->begin, after->end - after->begin);
+        if (after->group != t.group) add_rows(next, 1, w, after->group, 1);
+      }
+      const bool done = AT_DISPATCH_V2(dt, "gemm", AT_WRAP([&] {
+        const Tile<scalar_t> tile{n, N, K, x.const_data_ptr<scalar_t>() + r0 * x.stride(0), x.stride(0), x.stride(1),
+                                  w.const_data_ptr<scalar_t>() + t.group * w.stride(0), w.stride(trans_w ? 2 : 1),
+                                  w.stride(trans_w ? 1 : 2), out.data_ptr<scalar_t>() + r0 * N, N};
+        return own_kernel(plan, tile, &next);
+      }), at::kFloat, at::kBFloat16);
+      if (done) return;
     }
     const auto w_g = trans_w ? w.select(0, t.group).t() : w.select(0, t.group);
     mm_into(out.narrow(0, r0, n), x.narrow(0, r0, n), w_g, plan);
@@ -300,15 +374,24 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   }
   const auto tasks = plan_tasks(out_rows, row_flops);
   const auto plan = plan_for(x.scalar_type());
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && plan.own_below > 0;
-  run_tasks(tasks, [&](const Task& t) {
+  const auto dt = x.scalar_type();
+  const bool own = (dt == at::kBFloat16 || dt == at::kFloat) && plan.own_below > 0;
+  run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t g = t.group, n = t.end - t.begin;
-    if (bf16) {
+    if (own) {
+      Prefetch next;  // the next group's rows of a and b (a chunk of this group needs nothing new)
+      if (after && after->group != g) {
+        add_rows(next, 0, a, starts[after->group], rows[after->group]);
+        add_rows(next, 1, b, starts[after->group], rows[after->group]);
+      }
       // A = a_g^T (columns t.begin .. of a's rows of group g), B = b's rows of group g.
-      const Tile tile{n, Q, rows[g], a.const_data_ptr<at::BFloat16>() + starts[g] * a.stride(0) + t.begin * a.stride(1),
-                      a.stride(1), a.stride(0), b.const_data_ptr<at::BFloat16>() + starts[g] * b.stride(0),
-                      b.stride(0), b.stride(1), out.data_ptr<at::BFloat16>() + (g * P + t.begin) * Q, Q};
-      if (own_kernel(plan, tile)) return;
+      const bool done = AT_DISPATCH_V2(dt, "gemm_wgrad", AT_WRAP([&] {
+        const Tile<scalar_t> tile{n, Q, rows[g], a.const_data_ptr<scalar_t>() + starts[g] * a.stride(0) + t.begin * a.stride(1),
+                                  a.stride(1), a.stride(0), b.const_data_ptr<scalar_t>() + starts[g] * b.stride(0),
+                                  b.stride(0), b.stride(1), out.data_ptr<scalar_t>() + (g * P + t.begin) * Q, Q};
+        return own_kernel(plan, tile, &next);
+      }), at::kFloat, at::kBFloat16);
+      if (done) return;
     }
     const auto a_g = a.narrow(0, starts[g], rows[g]).narrow(1, t.begin, n);
     const auto b_g = b.narrow(0, starts[g], rows[g]);

@@ -1,0 +1,307 @@
+// Small GEMMs on AVX-512 for the CPU grouped GEMM's tiles: bf16 (vdpbf16ps) and fp32 (vfmadd).
+//
+// Why: through at::mm a bf16 product costs oneDNN about 16 us of set-up per call on this
+// project's bench CPU, before any FLOP. A grouped GEMM with many small groups (E=128 experts,
+// 64 rows each) pays that per group and reaches a third of one dense GEMM's speed. And in a
+// grouped GEMM every tile's operands come from memory (each group has its own weight), where a
+// library call per tile cannot overlap one tile's loads with the previous tile's FLOPs. These
+// kernels have no set-up beyond packing the right operand, and prefetch the next tile's memory
+// (which the caller names) while they compute.
+//
+// What they compute: C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 in registers over the whole
+// K; bf16 rounds once at the end (round to nearest even), like oneDNN's bf16 path.
+//
+// How (in 32-bit lanes, so both types share the layout): B is packed one panel of 32 columns at a
+// time, as [steps][32] lanes, a step being one K value (fp32) or a pair of K values side by side
+// (bf16, vdpbf16ps's pair layout), zero-padded in K and N. A is read in place when its K dimension
+// is contiguous (prefetched while B is packed), else packed the same way. The micro-kernel holds
+// an 8 x 32 block of C in 16 registers; each step broadcasts one lane of A and multiplies two
+// vectors of B.
+//
+// Only the functions under the target attribute use AVX-512, and they instantiate no library
+// template (scratch is allocated outside them), so no inline function shared with other files is
+// compiled with AVX-512 here. The caller checks that the CPU has the instructions first.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "avx512_gemm.h"
+
+namespace grouped_ep {
+namespace {
+
+constexpr int64_t kNR = 32;  // columns per panel (two vectors of 16 fp32)
+constexpr int64_t kMR = 8;   // rows per micro-kernel call
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// One instruction set for both types (fp32 included), so the caller requires avx512_bf16 for either.
+#define GE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Values of T per 32-bit lane: a bf16 step is a pair of K values, an fp32 step one.
+template <typename T>
+constexpr int64_t kPer = std::is_same<T, float>::value ? 1 : 2;
+
+inline uint32_t load_lane(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// dst[kk * 32 + j] = the 32-bit lane at src + j * sn + 2 * kk (16-bit units), for j < rows and
+// kk < n (both at most 16); dst rows are kNR lanes apart. Rows past `rows` are left alone.
+GE_AVX512 void transpose16(const uint16_t* src, int64_t sn, int64_t rows, int64_t n, uint16_t* dst) {
+  const __mmask16 m = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = j < rows ? _mm512_maskz_loadu_epi32(m, src + j * sn) : _mm512_setzero_si512();
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  // u[4q + e]: per 128-bit lane L, element 4L + e of rows 4q .. 4q + 3.
+  __m512i u[16];
+  for (int q = 0; q < 4; ++q) {
+    const __m512i* tq = t + 4 * q;
+    u[4 * q + 0] = _mm512_unpacklo_epi64(tq[0], tq[2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(tq[0], tq[2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(tq[1], tq[3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(tq[1], tq[3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    const __m512i col[4] = {_mm512_shuffle_i32x4(v0, w0, 0x88), _mm512_shuffle_i32x4(v1, w1, 0x88),
+                            _mm512_shuffle_i32x4(v0, w0, 0xDD), _mm512_shuffle_i32x4(v1, w1, 0xDD)};
+    for (int h = 0; h < 4; ++h) {
+      const int kk = 4 * h + e;  // column kk of the 16 x 16 block
+      if (kk < n) _mm512_mask_storeu_epi32(dst + kk * 2 * kNR, rows == 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1), col[h]);
+    }
+  }
+}
+
+// Panel p of B (columns 32p ..) as [steps][32] lanes at out, zero outside K x N, for B(k, n) =
+// src[k * sk + n * sn] with sn != 1.
+template <typename T>
+GE_AVX512 void pack_panel(const T* src, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t n0, T* out) {
+  constexpr int64_t per = kPer<T>;
+  const int64_t steps = (K + per - 1) / per, cols = N - n0 < kNR ? N - n0 : kNR;
+  std::memset(out, 0, steps * kNR * 4);
+  if (sk != 1) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < cols; ++j) out[((k / per) * kNR + j) * per + k % per] = src[k * sk + (n0 + j) * sn];
+    return;
+  }
+  // Each step's values are contiguous in the source: a transpose of 32-bit lanes, 16 x 16 at a
+  // time (in 16-bit units, an fp32 source's column stride doubles).
+  const int64_t full = K / per, sn16 = sn * (sizeof(T) / 2);
+  for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+    const int64_t rows = cols - j0 < 16 ? cols - j0 : 16;
+    for (int64_t s0 = 0; s0 < full; s0 += 16) {
+      const int64_t n = full - s0 < 16 ? full - s0 : 16;
+      transpose16(reinterpret_cast<const uint16_t*>(src + (n0 + j0) * sn + per * s0), sn16, rows, n,
+                  reinterpret_cast<uint16_t*>(out) + (s0 * kNR + j0) * 2);
+    }
+    if (K % per)  // bf16's odd K: the last step holds one value
+      for (int64_t j = j0; j < j0 + rows; ++j) out[(full * kNR + j) * per] = src[(n0 + j) * sn + K - 1];
+  }
+}
+
+// Panels [p_first, p_end) of B, one after another from out (p_end < 0: to the last). A row-major
+// B (sn == 1) is read in row order (every panel's part of a row, then the next row).
+template <typename T>
+GE_AVX512 void pack_b(const T* src, int64_t sk, int64_t sn, int64_t K, int64_t N, T* out,
+                      int64_t p_first = 0, int64_t p_end = -1) {
+  constexpr int64_t per = kPer<T>;
+  const int64_t steps = (K + per - 1) / per, stride = steps * kNR * per;
+  const int64_t pe = p_end < 0 ? (N + kNR - 1) / kNR : p_end;
+  if (sn != 1) {
+    for (int64_t p = p_first; p < pe; ++p) pack_panel(src, sk, sn, K, N, p * kNR, out + (p - p_first) * stride);
+    return;
+  }
+  if constexpr (per == 1) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t p = p_first; p < pe; ++p) {
+        const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
+        const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+        const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
+        T* o = out + (p - p_first) * stride + k * kNR;
+        _mm512_storeu_ps(o, _mm512_maskz_loadu_ps(m0, src + k * sk + n0));
+        _mm512_storeu_ps(o + 16, _mm512_maskz_loadu_ps(m1, src + k * sk + n0 + 16));
+      }
+  } else {
+    // Rows 2s and 2s + 1 interleaved value by value.
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+    for (int64_t s = 0; s < steps; ++s) {
+      const T* r0 = src + 2 * s * sk;
+      const bool second = 2 * s + 1 < K;
+      for (int64_t p = p_first; p < pe; ++p) {
+        const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
+        const __mmask32 m = cols == kNR ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+        const __m512i a = _mm512_maskz_loadu_epi16(m, r0 + n0);
+        const __m512i b = second ? _mm512_maskz_loadu_epi16(m, r0 + sk + n0) : _mm512_setzero_si512();
+        T* o = out + (p - p_first) * stride + s * 2 * kNR;
+        _mm512_storeu_si512(o, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(o + kNR, _mm512_permutex2var_epi16(a, hi, b));
+      }
+    }
+  }
+}
+
+// C[i, 0:cols] = sum over steps of A's lane (i, s) . B's lane s, for i < MR. A's lane (i, s)
+// starts at a + i * am + s * ak; `half_tail` (bf16): A has an odd K read in place, so the last
+// step is A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
+// pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop).
+template <typename T, int MR>
+GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int64_t ak, const T* bp, T* c,
+                     int64_t ldc, int64_t cols, const char* pf, int64_t lines) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  if constexpr (kPer<T> == 1) {
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s < lines) _mm_prefetch(pf + s * 64, _MM_HINT_T1);
+      const __m512 b0 = _mm512_loadu_ps(bp + s * kNR), b1 = _mm512_loadu_ps(bp + s * kNR + 16);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 av = _mm512_set1_ps(a[i * am + s * ak]);
+        acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+      }
+    }
+  } else {
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s < lines) _mm_prefetch(pf + s * 64, _MM_HINT_T1);
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + s * 2 * kNR);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + s * 2 * kNR + kNR);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_lane(a + i * am + s * ak)));
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+      }
+    }
+    if (half_tail) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + steps * 2 * kNR);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + steps * 2 * kNR + kNR);
+      for (int i = 0; i < MR; ++i) {
+        const uint32_t v = a[i * am + steps * ak];  // the last value, its pair partner zero
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+      }
+    }
+  }
+  for (int64_t l = steps; l < lines; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+  const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (kPer<T> == 1) {
+      _mm512_mask_storeu_ps(c + i * ldc, m0, acc[i][0]);
+      _mm512_mask_storeu_ps(c + i * ldc + 16, m1, acc[i][1]);
+    } else {
+      _mm256_mask_storeu_epi16(c + i * ldc, m0, (__m256i)_mm512_cvtneps_pbh(acc[i][0]));
+      _mm256_mask_storeu_epi16(c + i * ldc + 16, m1, (__m256i)_mm512_cvtneps_pbh(acc[i][1]));
+    }
+  }
+}
+
+template <typename T>
+using Micro = void (*)(int64_t, bool, const T*, int64_t, int64_t, const T*, T*, int64_t, int64_t, const char*, int64_t);
+template <typename T>
+constexpr Micro<T> kMicro[kMR + 1] = {nullptr,     micro<T, 1>, micro<T, 2>, micro<T, 3>, micro<T, 4>,
+                                      micro<T, 5>, micro<T, 6>, micro<T, 7>, micro<T, 8>};
+
+// bpanel: one packed panel of B; apack: all of A packed (M rounded up to kNR rows), used only when
+// A's K dimension is not contiguous (sak != 1).
+template <typename T>
+GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b,
+                         int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next) {
+  constexpr int64_t per = kPer<T>;
+  const int64_t steps = (K + per - 1) / per;
+  // A in place when its steps are contiguous; else packed like B, its K dim as the step dim and
+  // its rows as the columns: 32-row panels of [steps][32] lanes, 8-row blocks never straddle one.
+  const bool packed = sak != 1;
+  int64_t am = sam, ak = per, full_steps = K / per;
+  bool half_tail = K % per != 0;
+  if (packed) {
+    pack_b(a, sak, sam, K, M, apack);
+    am = per;
+    ak = kNR * per;
+    half_tail = false;
+    full_steps = steps;
+  }
+  // A read in place comes from memory once, in the first panel's pass: ask for all of it now,
+  // so it arrives while B is packed.
+  if (!packed)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(a + m * sam + k), _MM_HINT_T1);
+  // The next tile's memory, spread evenly over the micro-kernel calls (lines per call, rounded up).
+  const int64_t calls = (N + kNR - 1) / kNR * ((M + kMR - 1) / kMR);
+  int64_t span = 0, at = 0, per_call = 0;
+  if (next) per_call = ((next->bytes[0] + next->bytes[1]) / 64 + calls) / calls;
+  for (int64_t n0 = 0, p = 0; n0 < N; n0 += kNR, ++p) {
+    const int64_t cols = N - n0 < kNR ? N - n0 : kNR;
+    pack_b(b, sbk, sbn, K, N, bpanel, p, p + 1);
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      const int64_t mr = M - m0 < kMR ? M - m0 : kMR;
+      const T* a0 = packed ? apack + (m0 / kNR) * steps * kNR * per + (m0 % kNR) * per : a + m0 * sam;
+      while (span < 2 && at >= (next ? next->bytes[span] : 0)) ++span, at = 0;
+      const char* pf = span < 2 ? static_cast<const char*>(next->span[span]) + at : nullptr;
+      int64_t lines = span < 2 ? (next->bytes[span] - at + 63) / 64 : 0;
+      if (lines > per_call) lines = per_call;
+      at += lines * 64;
+      kMicro<T>[mr](full_steps, half_tail, a0, am, ak, bpanel, c + m0 * ldc + n0, ldc, cols, pf, lines);
+    }
+  }
+}
+#undef GE_AVX512
+
+// Scratch per thread, grown as needed (outside the AVX-512 functions, see the top).
+template <typename T>
+void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
+         int64_t sbn, T* c, int64_t ldc, const Prefetch* next) {
+  if (M <= 0 || N <= 0) return;
+  thread_local std::vector<T> bpanel, apack;
+  constexpr int64_t per = kPer<T>;
+  const int64_t lanes = (K + per - 1) / per * kNR * per;  // one panel
+  bpanel.resize(static_cast<size_t>(lanes));
+  if (sak != 1) apack.resize(static_cast<size_t>(lanes * ((M + kNR - 1) / kNR)));
+  gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next);
+}
+#endif
+
+}  // namespace
+
+bool avx512_gemm_compiled() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return true;
+#else
+  return false;
+#endif
+}
+
+void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam,
+                      int64_t sak, const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c,
+                      int64_t ldc, const Prefetch* next) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  run(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b), sbk, sbn,
+      reinterpret_cast<uint16_t*>(c), ldc, next);
+#else
+  (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;
+  (void)next;
+#endif
+}
+
+void f32_avx512_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
+                     const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, const Prefetch* next) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  run(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, next);
+#else
+  (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;
+  (void)next;
+#endif
+}
+
+}  // namespace grouped_ep
