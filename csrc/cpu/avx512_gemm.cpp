@@ -87,7 +87,9 @@ template <typename T>
 GE_AVX512 void pack_panel(const T* src, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t n0, T* out) {
   constexpr int64_t per = kPer<T>;
   const int64_t steps = (K + per - 1) / per, cols = N - n0 < kNR ? N - n0 : kNR;
-  std::memset(out, 0, steps * kNR * 4);
+  // The transposes below fill every lane of a full panel but bf16's odd-K last step.
+  if (sk != 1 || cols < kNR) std::memset(out, 0, steps * kNR * 4);
+  else if (K % per) std::memset(out + (steps - 1) * kNR * per, 0, kNR * 4);
   if (sk != 1) {
     for (int64_t k = 0; k < K; ++k)
       for (int64_t j = 0; j < cols; ++j) out[((k / per) * kNR + j) * per + k % per] = src[k * sk + (n0 + j) * sn];
