@@ -137,6 +137,7 @@ struct Plan {
   HalfPath path = HalfPath::kNative;
   double own_below = 0;
   bool shape_rules = false;
+  bool widen_own = false;  // widened tiles take the own fp32 kernel (fp32's plan says so)
 };
 
 constexpr double kEvery = std::numeric_limits<double>::infinity();
@@ -271,13 +272,26 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Pla
   if (dt == at::kFloat || dt == at::kDouble || plan.path == HalfPath::kNative) {
     at::mm_out(out, a, b);
   } else {
-    out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
+    // Widened, the product takes fp32's path on this CPU.
+    const auto a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+    if (!plan.widen_own) {
+      out.copy_(at::mm(a32, b32));
+      return;
+    }
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    auto c32 = at::empty({M, N}, a32.options());
+    f32_avx512_gemm(M, N, K, a32.const_data_ptr<float>(), a32.stride(0), a32.stride(1), b32.const_data_ptr<float>(),
+                    b32.stride(0), b32.stride(1), c32.data_ptr<float>(), N);
+    out.copy_(c32);
   }
 }
 
 Plan plan_for(at::ScalarType dt) {
   if (dt == at::kFloat) return f32_plan();
-  return (dt == at::kBFloat16 || dt == at::kHalf) ? half_plan(dt) : Plan{};
+  if (dt != at::kBFloat16 && dt != at::kHalf) return Plan{};
+  auto plan = half_plan(dt);
+  plan.widen_own = plan.path == HalfPath::kWiden && f32_plan().own_below > 0;
+  return plan;
 }
 
 // "avx512: own ...", "blas: ...", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
