@@ -241,10 +241,11 @@ struct Tile {
   int64_t ldc;
 };
 
-// Runs `tile` on the own kernel when the plan sends a tile of its size there. The kernel packs
-// B panel by panel; where B is too large to stay in L2, fewer than 32 rows of A do not repay that
-// extra pass (one thread, AMD EPYC, 2026-11-23: 1 to 16 rows of a 2048 x 768 weight at 0.67x to
-// 0.91x oneDNN, 32 rows at 1.05x), and over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x).
+// Runs `tile` on the own kernel when the plan sends a tile of its size there. For bf16 against
+// oneDNN (`shape_rules`), packing B does not pay for fewer than 32 rows of A when B is too large
+// to stay in L2 (one thread, AMD EPYC, 2026-11-23, measured when the kernel still packed all of B
+// before its first product: 1 to 16 rows of a 2048 x 768 weight at 0.67x to 0.91x oneDNN, 32 rows
+// at 1.05x), and over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x).
 template <typename T>
 bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
