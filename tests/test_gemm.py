@@ -312,6 +312,25 @@ def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
     assert torch.all(dw[1] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_own_kernel_weight_gradient_of_a_huge_group(monkeypatch, dtype):
+    # A group of 140001 rows: the weight gradient's packed operand (the group's rows of x, about
+    # 9 MB packed) is done in blocks of 32-row panels under the kernel's scratch cap, the last one
+    # partial. Values in {-1, 0, 1}: every sum is exact with fp32 accumulation, so the result
+    # equals the fp64 reference rounded once to the dtype.
+    if not _set_path(monkeypatch, "avx512", dtype):
+        return
+    g = torch.Generator().manual_seed(5)
+    rows, k, n = 140001, 70, 5
+    x = torch.randint(-1, 2, (rows + 2, k), generator=g).to(dtype)
+    dy = torch.randint(-1, 2, (rows + 2, n), generator=g).to(dtype)
+    offs = offsets([rows, 0])
+    for trans_w in (False, True):
+        dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
+        assert torch.equal(dw, wgrad_ref(x, dy, offs, trans_w).to(dtype))
+        assert torch.all(dw[1] == 0)
+
+
 def test_half_path_follows_cpu_capability(monkeypatch):
     monkeypatch.delenv("GROUPED_EP_CPU_HALF_GEMM", raising=False)
     flags = torch._C._cpu._get_cpu_capability()

@@ -260,7 +260,13 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
 }
 #undef GE_AVX512
 
-// Scratch per thread, grown as needed (outside the AVX-512 functions, see the top).
+// Scratch per thread, grown as needed (outside the AVX-512 functions, see the top). A packed A
+// (sak != 1, the weight gradient, whose K is a group's row count) is done in blocks of rows whose
+// packed copy stays under kPackCap, so the scratch a thread keeps is bounded whatever the group
+// size; each block packs B's panels again, a small cost next to its products (2 * rows FLOPs per
+// packed value of B, rows >= 32).
+constexpr int64_t kPackCap = 8 << 20;  // bytes
+
 template <typename T>
 void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
          int64_t sbn, T* c, int64_t ldc, const Prefetch* next) {
@@ -269,8 +275,19 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
   constexpr int64_t per = kPer<T>;
   const int64_t lanes = (K + per - 1) / per * kNR * per;  // one panel
   bpanel.resize(static_cast<size_t>(lanes));
-  if (sak != 1) apack.resize(static_cast<size_t>(lanes * ((M + kNR - 1) / kNR)));
-  gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next);
+  if (sak == 1) {
+    gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next);
+    return;
+  }
+  const int64_t panels = (M + kNR - 1) / kNR;
+  const int64_t cap = kPackCap / static_cast<int64_t>(lanes * sizeof(T));  // panels per block
+  const int64_t block = (cap < 1 ? 1 : cap < panels ? cap : panels) * kNR;
+  apack.resize(static_cast<size_t>(lanes * (block / kNR)));
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t mb = M - m0 < block ? M - m0 : block;
+    gemm_impl(mb, N, K, a + m0 * sam, sam, sak, b, sbk, sbn, c + m0 * ldc, ldc, bpanel.data(), apack.data(),
+              m0 + mb >= M ? next : nullptr);
+  }
 }
 #endif
 
