@@ -12,8 +12,9 @@
 // K; bf16 rounds once at the end (round to nearest even), like oneDNN's bf16 path.
 //
 // How (in 32-bit lanes, so both types share the layout): B is packed in panels of 32 columns (one
-// at a time, or all first for a small row-major B, see `run`), as [steps][32] lanes, a step being one K value (fp32) or a pair of K values side by side
-// (bf16, vdpbf16ps's pair layout), zero-padded in K and N. A is read in place when its K dimension
+// at a time, or all first for a small row-major B, see `run`), as [steps][32] lanes, a step being
+// one K value (fp32) or a pair of K values side by side (bf16, vdpbf16ps's pair layout),
+// zero-padded in K and N. A is read in place when its K dimension
 // is contiguous (prefetched while B is packed), else packed the same way. The micro-kernel holds
 // an 8 x 32 block of C in 16 registers; each step broadcasts one lane of A and multiplies two
 // vectors of B.
