@@ -11,10 +11,9 @@
 // What they compute: C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 in registers over the whole
 // K; bf16 rounds once at the end (round to nearest even), like oneDNN's bf16 path.
 //
-// How (in 32-bit lanes, so both types share the layout): B is packed in panels of 32 columns (one
-// at a time, or all first for a small row-major B, see `run`), as [steps][32] lanes, a step being
-// one K value (fp32) or a pair of K values side by side (bf16, vdpbf16ps's pair layout),
-// zero-padded in K and N. A is read in place when its K dimension
+// How (in 32-bit lanes, so both types share the layout): B is packed one panel of 32 columns at a
+// time, as [steps][32] lanes, a step being one K value (fp32) or a pair of K values side by side
+// (bf16, vdpbf16ps's pair layout), zero-padded in K and N. A is read in place when its K dimension
 // is contiguous (prefetched while B is packed), else packed the same way. The micro-kernel holds
 // an 8 x 32 block of C in 16 registers; each step broadcasts one lane of A and multiplies two
 // vectors of B.
@@ -216,12 +215,11 @@ template <typename T>
 constexpr Micro<T> kMicro[kMR + 1] = {nullptr,     micro<T, 1>, micro<T, 2>, micro<T, 3>, micro<T, 4>,
                                       micro<T, 5>, micro<T, 6>, micro<T, 7>, micro<T, 8>};
 
-// bpanel: one packed panel of B, or all of them (`whole`); apack: all of A packed (M rounded up to kNR rows), used only when
+// bpanel: one packed panel of B; apack: all of A packed (M rounded up to kNR rows), used only when
 // A's K dimension is not contiguous (sak != 1).
 template <typename T>
 GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b,
-                         int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next,
-                         bool whole) {
+                         int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next) {
   constexpr int64_t per = kPer<T>;
   const int64_t steps = (K + per - 1) / per;
   // A in place when its steps are contiguous; else packed like B, its K dim as the step dim and
@@ -241,15 +239,13 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
   if (!packed)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; k += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(a + m * sam + k), _MM_HINT_T1);
-  if (whole) pack_b(b, sbk, sbn, K, N, bpanel);
   // The next tile's memory, spread evenly over the micro-kernel calls (lines per call, rounded up).
   const int64_t calls = (N + kNR - 1) / kNR * ((M + kMR - 1) / kMR);
   int64_t span = 0, at = 0, per_call = 0;
   if (next) per_call = ((next->bytes[0] + next->bytes[1]) / 64 + calls) / calls;
   for (int64_t n0 = 0, p = 0; n0 < N; n0 += kNR, ++p) {
     const int64_t cols = N - n0 < kNR ? N - n0 : kNR;
-    if (!whole) pack_b(b, sbk, sbn, K, N, bpanel, p, p + 1);
-    const T* bp = whole ? bpanel + p * steps * kNR * per : bpanel;
+    pack_b(b, sbk, sbn, K, N, bpanel, p, p + 1);
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t mr = M - m0 < kMR ? M - m0 : kMR;
       const T* a0 = packed ? apack + (m0 / kNR) * steps * kNR * per + (m0 % kNR) * per : a + m0 * sam;
@@ -258,7 +254,7 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
       int64_t lines = span < 2 ? (next->bytes[span] - at + 63) / 64 : 0;
       if (lines > per_call) lines = per_call;
       at += lines * 64;
-      kMicro<T>[mr](full_steps, half_tail, a0, am, ak, bp, c + m0 * ldc + n0, ldc, cols, pf, lines);
+      kMicro<T>[mr](full_steps, half_tail, a0, am, ak, bpanel, c + m0 * ldc + n0, ldc, cols, pf, lines);
     }
   }
 }
@@ -270,7 +266,6 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
 // size; each block packs B's panels again, a small cost next to its products (2 * rows FLOPs per
 // packed value of B, rows >= 32).
 constexpr int64_t kPackCap = 8 << 20;  // bytes
-constexpr int64_t kWholeB = 1 << 20;   // bytes
 
 template <typename T>
 void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
@@ -279,14 +274,9 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
   thread_local std::vector<T> bpanel, apack;
   constexpr int64_t per = kPer<T>;
   const int64_t lanes = (K + per - 1) / per * kNR * per;  // one panel
-  // A row-major B that fits in L2 packed is packed whole, in row order, before the products: its
-  // reads then stream through memory (the E128 bench's dx product in backward: 1.04x against panel by
-  // panel, whose reads stride down 64-byte column strips); otherwise one panel at a time.
-  const int64_t bpanels = (N + kNR - 1) / kNR;
-  const bool whole = sbn == 1 && bpanels > 1 && lanes * bpanels * static_cast<int64_t>(sizeof(T)) <= kWholeB;
-  bpanel.resize(static_cast<size_t>(lanes * (whole ? bpanels : 1)));
+  bpanel.resize(static_cast<size_t>(lanes));
   if (sak == 1) {
-    gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next, whole);
+    gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next);
     return;
   }
   const int64_t panels = (M + kNR - 1) / kNR;
@@ -296,7 +286,7 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t mb = M - m0 < block ? M - m0 : block;
     gemm_impl(mb, N, K, a + m0 * sam, sam, sak, b, sbk, sbn, c + m0 * ldc, ldc, bpanel.data(), apack.data(),
-              m0 + mb >= M ? next : nullptr, whole);
+              m0 + mb >= M ? next : nullptr);
   }
 }
 #endif
