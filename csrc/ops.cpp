@@ -24,8 +24,9 @@ TORCH_LIBRARY(grouped_ep, m) {
   // device >= 0 the device and (with dtype, k, n) the backend such a call uses and why.
   m.def("backend_info(str? set_backend=None, int device=-1, ScalarType? dtype=None, int k=0, "
         "int n=0) -> str[]");
-  // What the CPU gemm does for `dtype` on this CPU: "native: avx512_bf16", "widen to fp32: ...",
-  // chosen at run time from CPU capability (GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 overrides).
+  // What the CPU gemm does for `dtype` on this CPU: "avx512: ...", "blas: ...", "native:
+  // avx512_bf16", "widen to fp32: ...", chosen at run time from the CPU (csrc/cpu/gemm_plan.h;
+  // GROUPED_EP_CPU_F32_GEMM and GROUPED_EP_CPU_HALF_GEMM override).
   m.def("cpu_gemm_path(ScalarType dtype) -> str");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------

@@ -30,13 +30,21 @@
 
 #include "avx512_gemm.h"
 
+// The kernels are built for x86-64 with GCC or Clang (target attributes); elsewhere the entry
+// points are empty and avx512_gemm_compiled() says so.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GE_AVX512_BUILD 1
+#else
+#define GE_AVX512_BUILD 0
+#endif
+
 namespace grouped_ep {
 namespace {
 
 constexpr int64_t kNR = 32;  // columns per panel (two vectors of 16 fp32)
 constexpr int64_t kMR = 8;   // rows per micro-kernel call
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if GE_AVX512_BUILD
 // One instruction set for both types (fp32 included), so the caller requires avx512_bf16 for either.
 #define GE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -215,8 +223,8 @@ template <typename T>
 constexpr Micro<T> kMicro[kMR + 1] = {nullptr,     micro<T, 1>, micro<T, 2>, micro<T, 3>, micro<T, 4>,
                                       micro<T, 5>, micro<T, 6>, micro<T, 7>, micro<T, 8>};
 
-// bpanel: one packed panel of B; apack: all of A packed (M rounded up to kNR rows), used only when
-// A's K dimension is not contiguous (sak != 1).
+// bpanel: one packed panel of B; apack: A packed (M rounded up to kNR rows), used only when A's K
+// dimension is not contiguous (sak != 1).
 template <typename T>
 GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b,
                          int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next) {
@@ -293,18 +301,12 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
 
 }  // namespace
 
-bool avx512_gemm_compiled() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return true;
-#else
-  return false;
-#endif
-}
+bool avx512_gemm_compiled() { return GE_AVX512_BUILD; }
 
 void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam,
                       int64_t sak, const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c,
                       int64_t ldc, const Prefetch* next) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if GE_AVX512_BUILD
   run(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b), sbk, sbn,
       reinterpret_cast<uint16_t*>(c), ldc, next);
 #else
@@ -315,7 +317,7 @@ void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, i
 
 void f32_avx512_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak,
                      const float* b, int64_t sbk, int64_t sbn, float* c, int64_t ldc, const Prefetch* next) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if GE_AVX512_BUILD
   run(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, next);
 #else
   (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;

@@ -3,40 +3,23 @@
 // The work is cut into tasks of about equal FLOPs: a task is a chunk of output rows of one
 // group. Threads pull tasks from a shared counter (largest first), so many small groups and a
 // few large ones both keep every core busy. Inside a task one GEMM call does the FLOPs; inside
-// at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription.
-//
-// Which GEMM a tile gets is chosen at run time per (dtype, CPU):
-// - fp32: at::mm (MKL / OpenBLAS), or on AMD CPUs with AVX512-BF16 this project's own AVX-512
-//   kernel (avx512_gemm.cpp), which ran faster than MKL there (`f32_plan`);
-// - bf16/fp16, by `half_plan`: native, the tiles go to at::mm as they are, so oneDNN runs its
-//   AMX / AVX512-BF16 / AVX512-FP16 kernels (the ones torch.mm uses for that dtype on this CPU),
-//   fp32 accumulation inside, one rounding at the end; or widen, on CPUs without native
-//   low-precision GEMM, where torch's own bf16/fp16 matmul is slow: tiles are widened to fp32
-//   for the product and narrowed once. On the native path, bf16 tiles too small to pay oneDNN's
-//   per-call set-up (about 16 us on an AVX512-BF16 CPU) go to the own kernel instead.
-// The own kernels prefetch the next task's operands while they compute (`run_tasks` tells each
-// task which one its thread runs next).
-// GROUPED_EP_CPU_F32_GEMM=blas|avx512 and GROUPED_EP_CPU_HALF_GEMM=native|widen|avx512 override
-// the choice (tests run each on any CPU that has it): native sends every tile to oneDNN, avx512
-// every bf16 (fp32) tile to the own kernel.
+// at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription. Which GEMM
+// (at::mm, or this project's own AVX-512 kernel) is chosen per (dtype, CPU) by gemm_plan.h. The
+// own kernel prefetches the next task's operands while it computes (`run_tasks` tells each task
+// which one its thread runs next).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/Utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "avx512_gemm.h"
 #include "checks.h"
+#include "gemm_plan.h"
 
 namespace grouped_ep {
 namespace {
@@ -100,134 +83,6 @@ void run_tasks(const std::vector<Task>& tasks, const Fn& fn) {
   });
 }
 
-// The CPU features (cpuinfo names, as at::cpu::get_cpu_capabilities() spells them) that give
-// oneDNN a native GEMM for `dt`; the same conditions under which torch.mm itself takes oneDNN's
-// low-precision kernels for that dtype.
-const char* const* native_features(at::ScalarType dt) {
-  static const char* const bf16[] = {"amx_bf16", "avx512_bf16", nullptr};
-  static const char* const fp16[] = {"amx_fp16", "avx512_fp16", nullptr};
-  return dt == at::kBFloat16 ? bf16 : fp16;
-}
-
-// Whether this CPU has `feature` (a cpuinfo name, as at::cpu::get_cpu_capabilities() spells it).
-bool cpu_has(const char* feature) {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  const auto it = caps.find(feature);
-  return it != caps.end() && it->second.isBool() && it->second.toBool();
-}
-
-// The first native feature this CPU has for `dt`, or "" (computed once per dtype).
-std::string native_feature(at::ScalarType dt) {
-  auto detect = [](at::ScalarType d) -> std::string {
-    if (!at::hasMKLDNN()) return "";
-    for (const char* const* f = native_features(d); *f; ++f)
-      if (cpu_has(*f)) return *f;
-    return "";
-  };
-  static const std::string bf16 = detect(at::kBFloat16), fp16 = detect(at::kHalf);
-  return dt == at::kBFloat16 ? bf16 : fp16;
-}
-
-enum class HalfPath { kNative, kWiden };
-
-// How a call computes its tiles: the half path, and for bf16 (native path) and fp32 the FLOP
-// count under which a tile goes to the own AVX-512 kernel (0: never; infinity: every tile), and
-// whether the shape rules of `own_kernel` (measured for bf16 against oneDNN) apply on top.
-struct Plan {
-  HalfPath path = HalfPath::kNative;
-  double own_below = 0;
-  bool shape_rules = false;
-  bool widen_own = false;  // widened tiles take the own fp32 kernel (fp32's plan says so)
-};
-
-constexpr double kEvery = std::numeric_limits<double>::infinity();
-
-bool has_avx512_bf16() {
-  static const bool has = avx512_gemm_compiled() && cpu_has("avx512_bf16");
-  return has;
-}
-
-// bf16 tiles below this many FLOPs take the own kernel on the native path. Measured on an
-// AVX512-BF16 CPU without AMX (AMD EPYC, 2026-11-23): one thread, the own kernel ran at 0.98x to
-// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows and at about 1.0x for 512 x 1024 x 1024
-// (1.07 GFLOP); inside the grouped GEMM, where it also prefetches the next tile, E=8 experts of
-// 512 rows and more (K = N = 1024) ran 0.99x to 1.14x against oneDNN per tile. Past a few
-// thousand rows oneDNN's blocking wins (4096 x 1024 x 1024: 0.85x), so tiles under 1.2 GFLOP
-// take it. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
-// times the kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us
-// at this kernel's rate) take it.
-double own_kernel_below() {
-  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.2e9;
-  return below;
-}
-
-// Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
-// set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
-// kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
-// 256 to 4096, up to a 64 MB weight), and 1.12x to 1.30x on the geomeans of the grouped GEMM
-// bench. On Intel CPUs MKL is the reference implementation and no Intel CPU was measured: fp32
-// stays with it there.
-bool f32_own_default() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd && has_avx512_bf16();
-#else
-  return false;
-#endif
-}
-
-// The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512.
-Plan f32_plan(std::string* why = nullptr) {
-  const char* env = std::getenv("GROUPED_EP_CPU_F32_GEMM");
-  bool own = f32_own_default();
-  std::string reason = own ? "AMD CPU with avx512_bf16" : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
-  if (env && *env && std::strcmp(env, "auto") != 0) {
-    own = std::strcmp(env, "avx512") == 0;
-    GE_CHECK(own || std::strcmp(env, "blas") == 0, "gemm: environment variable GROUPED_EP_CPU_F32_GEMM=", env,
-             " must be 'auto', 'blas' or 'avx512'");
-    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx512 needs a CPU with ",
-             "avx512_bf16 (the kernels' instruction set; and an x86-64 GCC/Clang build); this one has none");
-    reason = "forced by GROUPED_EP_CPU_F32_GEMM";
-  }
-  if (why) *why = (own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
-  return {HalfPath::kNative, own ? kEvery : 0, false};
-}
-
-// The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
-// given, gets a short reason for the bench output.
-Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
-  const bool bf16 = dt == at::kBFloat16;
-  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
-  if (env && *env && std::strcmp(env, "auto") != 0) {
-    const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
-    GE_CHECK(native || own || std::strcmp(env, "widen") == 0,
-             "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
-             " must be 'auto', 'native', 'widen' or 'avx512'");
-    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU with ",
-             "avx512_bf16 (and an x86-64 GCC/Clang build); this one has none");
-    if (!own || bf16) {
-      if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
-                          : "forced by GROUPED_EP_CPU_HALF_GEMM";
-      if (own) return {HalfPath::kNative, kEvery, false};
-      return {native ? HalfPath::kNative : HalfPath::kWiden, 0, false};
-    }
-    // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
-  }
-  const auto feature = native_feature(dt);
-  if (feature.empty()) {
-    if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
-                    (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
-    return {HalfPath::kWiden, 0, false};
-  }
-  const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
-  if (why) {
-    *why = feature;
-    if (below > 0) *why += "; tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) +
-                           " MFLOP on the own avx512-bf16 kernel";
-  }
-  return {HalfPath::kNative, below, true};
-}
-
 // A tile as raw operands for the own kernels: C[M, N] = A[M, K] @ B[K, N], any strides (no
 // tensor views are made per tile: at these sizes their cost shows).
 template <typename T>
@@ -285,27 +140,6 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Pla
                     b32.stride(0), b32.stride(1), c32.data_ptr<float>(), N);
     out.copy_(c32);
   }
-}
-
-Plan plan_for(at::ScalarType dt) {
-  if (dt == at::kFloat) return f32_plan();
-  if (dt != at::kBFloat16 && dt != at::kHalf) return Plan{};
-  auto plan = half_plan(dt);
-  plan.widen_own = plan.path == HalfPath::kWiden && f32_plan().own_below > 0;
-  return plan;
-}
-
-// "avx512: own ...", "blas: ...", "native: avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...: what gemm does for
-// `dtype` on this CPU now (the bench prints it).
-std::string cpu_gemm_path(at::ScalarType dtype) {
-  std::string why;
-  if (dtype == at::kFloat) {
-    f32_plan(&why);
-    return why;
-  }
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
-  const auto plan = half_plan(dtype, &why);
-  return (plan.path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& offs,
@@ -420,11 +254,6 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
 TORCH_LIBRARY_IMPL(grouped_ep, CPU, m) {
   m.impl("gemm", &gemm_cpu);
   m.impl("gemm_wgrad", &gemm_wgrad_cpu);
-}
-
-// No tensor argument to dispatch on: one kernel for every backend.
-TORCH_LIBRARY_IMPL(grouped_ep, CompositeExplicitAutograd, m) {
-  m.impl("cpu_gemm_path", &cpu_gemm_path);
 }
 
 }  // namespace grouped_ep

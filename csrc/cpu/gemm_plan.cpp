@@ -1,0 +1,167 @@
+// The CPU grouped GEMM's choice of GEMM per (dtype, CPU): see gemm_plan.h.
+#include "gemm_plan.h"
+
+#include <ATen/Context.h>
+#include <ATen/cpu/Utils.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "avx512_gemm.h"
+#include "checks.h"
+
+namespace grouped_ep {
+namespace {
+
+constexpr double kEvery = std::numeric_limits<double>::infinity();
+
+// The CPU features (cpuinfo names, as at::cpu::get_cpu_capabilities() spells them) that give
+// oneDNN a native GEMM for `dt`; the same conditions under which torch.mm itself takes oneDNN's
+// low-precision kernels for that dtype.
+const char* const* native_features(at::ScalarType dt) {
+  static const char* const bf16[] = {"amx_bf16", "avx512_bf16", nullptr};
+  static const char* const fp16[] = {"amx_fp16", "avx512_fp16", nullptr};
+  return dt == at::kBFloat16 ? bf16 : fp16;
+}
+
+// Whether this CPU has `feature` (a cpuinfo name, as at::cpu::get_cpu_capabilities() spells it).
+bool cpu_has(const char* feature) {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto it = caps.find(feature);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
+// The first native feature this CPU has for `dt`, or "" (computed once per dtype).
+std::string native_feature(at::ScalarType dt) {
+  auto detect = [](at::ScalarType d) -> std::string {
+    if (!at::hasMKLDNN()) return "";
+    for (const char* const* f = native_features(d); *f; ++f)
+      if (cpu_has(*f)) return *f;
+    return "";
+  };
+  static const std::string bf16 = detect(at::kBFloat16), fp16 = detect(at::kHalf);
+  return dt == at::kBFloat16 ? bf16 : fp16;
+}
+
+bool has_avx512_bf16() {
+  static const bool has = avx512_gemm_compiled() && cpu_has("avx512_bf16");
+  return has;
+}
+
+// bf16 tiles below this many FLOPs take the own kernel on the native path. Measured on an
+// AVX512-BF16 CPU without AMX (AMD EPYC, 2026-11-23): one thread, the own kernel ran at 0.98x to
+// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows and at about 1.0x for 512 x 1024 x 1024
+// (1.07 GFLOP); inside the grouped GEMM, where it also prefetches the next tile, E=8 experts of
+// 512 rows and more (K = N = 1024) ran 0.99x to 1.14x against oneDNN per tile. Past a few
+// thousand rows oneDNN's blocking wins (4096 x 1024 x 1024: 0.85x), so tiles under 1.2 GFLOP
+// take it. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
+// times the kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us
+// at this kernel's rate) take it.
+double own_kernel_below() {
+  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.2e9;
+  return below;
+}
+
+// Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
+// set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
+// kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
+// 256 to 4096, up to a 64 MB weight), and 1.12x to 1.30x on the geomeans of the grouped GEMM
+// bench. On Intel CPUs MKL is the reference implementation and no Intel CPU was measured: fp32
+// stays with it there.
+bool f32_own_default() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd && has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512.
+Plan f32_plan(std::string* why = nullptr) {
+  const char* env = std::getenv("GROUPED_EP_CPU_F32_GEMM");
+  const bool forced = env && *env && std::strcmp(env, "auto") != 0;
+  bool own = f32_own_default();
+  if (forced) {
+    own = std::strcmp(env, "avx512") == 0;
+    GE_CHECK(own || std::strcmp(env, "blas") == 0, "gemm: environment variable GROUPED_EP_CPU_F32_GEMM=", env,
+             " must be 'auto', 'blas' or 'avx512'");
+    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx512 needs a CPU with ",
+             "avx512_bf16 (the kernels' instruction set; and an x86-64 GCC/Clang build); this one has none");
+  }
+  if (why) {
+    const char* reason = forced ? "forced by GROUPED_EP_CPU_F32_GEMM"
+                         : own  ? "AMD CPU with avx512_bf16"
+                         : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
+    *why = std::string(own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
+  }
+  return {HalfPath::kNative, own ? kEvery : 0, false};
+}
+
+// The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
+// given, gets a short reason for the bench output.
+Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
+  const bool bf16 = dt == at::kBFloat16;
+  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
+  if (env && *env && std::strcmp(env, "auto") != 0) {
+    const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
+    GE_CHECK(native || own || std::strcmp(env, "widen") == 0,
+             "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
+             " must be 'auto', 'native', 'widen' or 'avx512'");
+    GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU with ",
+             "avx512_bf16 (and an x86-64 GCC/Clang build); this one has none");
+    if (!own || bf16) {
+      if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
+                          : "forced by GROUPED_EP_CPU_HALF_GEMM";
+      if (own) return {HalfPath::kNative, kEvery, false};
+      return {native ? HalfPath::kNative : HalfPath::kWiden, 0, false};
+    }
+    // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
+  }
+  const auto feature = native_feature(dt);
+  if (feature.empty()) {
+    if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
+                    (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
+    return {HalfPath::kWiden, 0, false};
+  }
+  const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
+  if (why) {
+    *why = feature;
+    if (below > 0) *why += "; tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) +
+                           " MFLOP on the own avx512-bf16 kernel";
+  }
+  return {HalfPath::kNative, below, true};
+}
+
+}  // namespace
+
+Plan plan_for(at::ScalarType dt) {
+  if (dt == at::kFloat) return f32_plan();
+  if (dt != at::kBFloat16 && dt != at::kHalf) return Plan{};
+  auto plan = half_plan(dt);
+  plan.widen_own = plan.path == HalfPath::kWiden && f32_plan().own_below > 0;
+  return plan;
+}
+
+// What gemm does for `dtype` on this CPU now ("avx512: own ...", "blas: ...", "native:
+// avx512_bf16", "widen to fp32: no amx/avx512 fp16", ...; the bench prints it).
+std::string cpu_gemm_path(at::ScalarType dtype) {
+  std::string why;
+  if (dtype == at::kFloat) {
+    f32_plan(&why);
+    return why;
+  }
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
+  const auto plan = half_plan(dtype, &why);
+  return (plan.path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
+}
+
+// No tensor argument to dispatch on: one kernel for every backend.
+TORCH_LIBRARY_IMPL(grouped_ep, CompositeExplicitAutograd, m) {
+  m.impl("cpu_gemm_path", &cpu_gemm_path);
+}
+
+}  // namespace grouped_ep
