@@ -12,11 +12,16 @@ namespace grouped_ep {
 // instructions (avx512_bf16, or avx512f for fp32), which the caller checks.
 bool avx512_gemm_compiled();
 
-// Memory the caller will need next (the next tile's operands): the kernel asks for it, a few cache
-// lines at a time, while it computes, so the next tile's first pass does not wait on DRAM.
+// The next tile's operands, which the kernel asks for (a few cache lines per step) while it
+// computes, so the next tile's first pass does not wait on DRAM: A's rows (one contiguous span)
+// and B as the next call reads it (its strides, as in the kernel's arguments). The kernel
+// prefetches A (up to a cap) and B's first panel; each later panel of B is prefetched while the
+// panel before it computes. Null pointers: nothing to prefetch.
 struct Prefetch {
-  const void* span[2] = {nullptr, nullptr};
-  int64_t bytes[2] = {0, 0};
+  const void* a = nullptr;
+  int64_t a_bytes = 0;
+  const void* b = nullptr;
+  int64_t sbk = 0, sbn = 0, K = 0, N = 0;
 };
 
 // C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 over the whole K (bf16: rounded once, to

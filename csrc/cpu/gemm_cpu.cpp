@@ -113,12 +113,12 @@ bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   return true;
 }
 
-// The bytes of rows [row0, row0 + rows) of a contiguous tensor (else nothing) as span i of pf.
-void add_rows(Prefetch& pf, int i, const at::Tensor& t, int64_t row0, int64_t rows) {
+// Rows [row0, row0 + rows) of a contiguous tensor (else nothing) as the next tile's A.
+void next_rows(Prefetch& pf, const at::Tensor& t, int64_t row0, int64_t rows) {
   if (rows <= 0 || !t.is_contiguous()) return;
   const auto row = t.numel() / t.size(0);
-  pf.span[i] = static_cast<const char*>(t.const_data_ptr()) + row0 * row * t.element_size();
-  pf.bytes[i] = rows * row * t.element_size();
+  pf.a = static_cast<const char*>(t.const_data_ptr()) + row0 * row * t.element_size();
+  pf.a_bytes = rows * row * t.element_size();
 }
 
 // out = a @ b, with fp32 accumulation for half types. `out` may be a strided view; `plan` is
@@ -175,10 +175,11 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
     if (own) {
-      Prefetch next;  // the next task's rows of x and, for another group, its weight
+      Prefetch next;  // the next task's rows of x and its group's weight
       if (after) {
-        add_rows(next, 0, x, starts[after->group] + after->begin, after->end - after->begin);
-        if (after->group != t.group) add_rows(next, 1, w, after->group, 1);
+        next_rows(next, x, starts[after->group] + after->begin, after->end - after->begin);
+        next.b = static_cast<const char*>(w.const_data_ptr()) + after->group * w.stride(0) * w.element_size();
+        next.sbk = w.stride(trans_w ? 2 : 1), next.sbn = w.stride(trans_w ? 1 : 2), next.K = K, next.N = N;
       }
       const bool done = AT_DISPATCH_V2(dt, "gemm", AT_WRAP([&] {
         const Tile<scalar_t> tile{n, N, K, x.const_data_ptr<scalar_t>() + r0 * x.stride(0), x.stride(0), x.stride(1),
@@ -228,10 +229,12 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t g = t.group, n = t.end - t.begin;
     if (own) {
-      Prefetch next;  // the next group's rows of a and b (a chunk of this group needs nothing new)
-      if (after && after->group != g) {
-        add_rows(next, 0, a, starts[after->group], rows[after->group]);
-        add_rows(next, 1, b, starts[after->group], rows[after->group]);
+      Prefetch next;  // the next task's rows of a (its group's) and its B (b's rows of that group)
+      if (after) {
+        const int64_t h = after->group;
+        next_rows(next, a, starts[h], rows[h]);
+        next.b = static_cast<const char*>(b.const_data_ptr()) + starts[h] * b.stride(0) * b.element_size();
+        next.sbk = b.stride(0), next.sbn = b.stride(1), next.K = rows[h], next.N = Q;
       }
       // A = a_g^T (columns t.begin .. of a's rows of group g), B = b's rows of group g.
       const bool done = AT_DISPATCH_V2(dt, "gemm_wgrad", AT_WRAP([&] {
