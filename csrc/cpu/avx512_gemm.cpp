@@ -46,7 +46,7 @@ constexpr int64_t kMR = 8;   // rows per micro-kernel call
 
 #if GE_AVX512_BUILD
 // One instruction set for both types (fp32 included), so the caller requires avx512_bf16 for either.
-#define GE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define GE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prfchw")))
 
 // Values of T per 32-bit lane: a bf16 step is a pair of K values, an fp32 step one.
 template <typename T>
@@ -221,13 +221,6 @@ GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int6
 struct Runs {
   const char* p = nullptr;
   int64_t count = 0, stride = 0, len = 0;
-  int64_t per_run() const { return (len + 63) / 64 + 1; }  // a run may start mid-line
-  int64_t lines() const { return count > 0 && len > 0 ? count * per_run() : 0; }
-  // The i-th line's address (a run's last one clamped to its last byte).
-  const char* line(int64_t i) const {
-    const int64_t r = i / per_run(), j = i % per_run();
-    return p + r * stride + (j * 64 < len ? j * 64 : len - 1);
-  }
 };
 
 // The memory columns [n0, n0 + cols) of B(k, n) = b[k * sbk + n * sbn] are packed from (nothing
@@ -242,22 +235,54 @@ Runs b_source(const T* b, int64_t sbk, int64_t sbn, int64_t K, int64_t n0, int64
   return {};
 }
 
-// The lines of `r`, handed out evenly over a tile's micro-kernel calls [first, end).
-struct Feed {
-  Runs r;
-  int64_t first = 0, end = 0, at = 0;
-  // Appends call `call`'s share to out[n ..] (at most up to cap); returns the new count.
+// The cache lines of some runs, handed out evenly over a tile's micro-kernel calls [first, end).
+class Feed {
+ public:
+  Feed() = default;
+  Feed(Runs r, int64_t first, int64_t end) : r_(r), first_(first), end_(end) {
+    if (r_.count <= 0 || r_.len <= 0) return;
+    // Runs that all start at the same offset in a line: from that line, exactly their lines;
+    // else one more line per run than a run from a line's start needs (the last byte's line).
+    const int64_t off = static_cast<int64_t>(reinterpret_cast<uintptr_t>(r_.p) % 64);
+    if (r_.count == 1 || r_.stride % 64 == 0) {
+      r_.p -= off;
+      r_.len += off;
+      per_ = (r_.len + 63) / 64;
+    } else {
+      per_ = (r_.len + 63) / 64 + 1;
+    }
+    left_ = r_.count * per_;
+  }
+  // Appends call `call`'s share to out[n ..] (up to cap); returns the new count.
   int64_t take(int64_t call, const char** out, int64_t n, int64_t cap) {
-    if (call < first || call >= end) return n;
-    const int64_t share = (r.lines() - at + (end - call) - 1) / (end - call);
-    for (int64_t k = 0; k < share && n < cap; ++k) out[n++] = r.line(at++);
+    if (call < first_ || call >= end_) return n;
+    for (int64_t k = (left_ + (end_ - call) - 1) / (end_ - call); k > 0 && n < cap; --k, --left_) {
+      out[n++] = r_.p + run_ * r_.stride + (line_ * 64 < r_.len ? line_ * 64 : r_.len - 1);
+      if (++line_ == per_) line_ = 0, ++run_;
+    }
     return n;
   }
+
+ private:
+  Runs r_;
+  int64_t first_ = 0, end_ = 0, per_ = 0, left_ = 0, run_ = 0, line_ = 0;
 };
 
 constexpr int64_t kMaxLines = 1024;     // prefetches handed to one micro-kernel call
 constexpr int64_t kNextA = 256 << 10;   // bytes of the next tile's A prefetched ahead
 constexpr int64_t kWholeB = 256 << 10;  // a B up to this size is prefetched whole, ahead
+
+// Asks, with write intent, for the lines of C's rows [0, rows) and columns [0, cols) (from c):
+// a line of C not in cache would be read from memory at its first store. Done one micro-kernel
+// call ahead. (One thread, 128 experts' 64 x 128 x 256 bf16 tiles in turn: 1.2x faster with it.
+// Over the bench's rows, fwd+bwd: 0.95x the time for bf16, 0.94x for fp32; fwd unchanged.)
+template <typename T>
+GE_AVX512 void prefetch_c(const T* c, int64_t ldc, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(c + i * ldc), end = begin + cols * sizeof(T);
+    for (uintptr_t l = begin & ~uintptr_t(63); l < end; l += 64) __builtin_prefetch(reinterpret_cast<const void*>(l), 1, 3);
+  }
+}
 
 template <typename T>
 using Micro = void (*)(int64_t, bool, const T*, int64_t, int64_t, const T*, T*, int64_t, int64_t, const char* const*,
@@ -313,9 +338,14 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
     const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
     const int64_t n1 = n0 + kNR, cols1 = whole_b ? 0 : N - n1 < kNR ? N - n1 : kNR;
     Feed this_b{b_source(b, sbk, sbn, K, n1, cols1), p * blocks, (p + 1) * blocks};
+    if (p == 0) prefetch_c(c, ldc, M < kMR ? M : kMR, cols);
     pack_b(b, sbk, sbn, K, N, bpanel, p, p + 1);
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t mr = M - m0 < kMR ? M - m0 : kMR, call = p * blocks + m0 / kMR;
+      if (m0 + kMR < M)  // the next call's rows of C: this panel's next rows, or the next panel's first
+        prefetch_c(c + (m0 + kMR) * ldc + n0, ldc, M - m0 - kMR < kMR ? M - m0 - kMR : kMR, cols);
+      else if (n1 < N)
+        prefetch_c(c + n1, ldc, M < kMR ? M : kMR, N - n1 < kNR ? N - n1 : kNR);
       const T* a0 = packed ? apack + (m0 / kNR) * steps * kNR * per + (m0 % kNR) * per : a + m0 * sam;
       int64_t n = this_b.take(call, lines, 0, kMaxLines);
       n = next_a.take(call, lines, n, kMaxLines);
