@@ -241,6 +241,7 @@ class Feed {
   Feed() = default;
   Feed(Runs r, int64_t first, int64_t end) : r_(r), first_(first), end_(end) {
     if (r_.count <= 0 || r_.len <= 0) return;
+    if (r_.stride == r_.len) r_.len *= r_.count, r_.count = 1;  // back to back: one run
     // Runs that all start at the same offset in a line: from that line, exactly their lines;
     // else one more line per run than a run from a line's start needs (the last byte's line).
     const int64_t off = static_cast<int64_t>(reinterpret_cast<uintptr_t>(r_.p) % 64);
@@ -252,11 +253,21 @@ class Feed {
       per_ = (r_.len + 63) / 64 + 1;
     }
     left_ = r_.count * per_;
+    // The common cases, one run or one line per run: line i is at p + i * step.
+    step_ = r_.count == 1 ? 64 : per_ == 1 ? r_.stride : 0;
+    at_ = r_.p;
   }
   // Appends call `call`'s share to out[n ..] (up to cap); returns the new count.
   int64_t take(int64_t call, const char** out, int64_t n, int64_t cap) {
     if (call < first_ || call >= end_) return n;
-    for (int64_t k = (left_ + (end_ - call) - 1) / (end_ - call); k > 0 && n < cap; --k, --left_) {
+    int64_t k = (left_ + (end_ - call) - 1) / (end_ - call);
+    if (k > cap - n) k = cap - n;
+    left_ -= k;
+    if (step_ != 0) {
+      for (; k > 0; --k, at_ += step_) out[n++] = at_;
+      return n;
+    }
+    for (; k > 0; --k) {
       out[n++] = r_.p + run_ * r_.stride + (line_ * 64 < r_.len ? line_ * 64 : r_.len - 1);
       if (++line_ == per_) line_ = 0, ++run_;
     }
@@ -265,7 +276,8 @@ class Feed {
 
  private:
   Runs r_;
-  int64_t first_ = 0, end_ = 0, per_ = 0, left_ = 0, run_ = 0, line_ = 0;
+  const char* at_ = nullptr;
+  int64_t first_ = 0, end_ = 0, per_ = 0, left_ = 0, step_ = 0, run_ = 0, line_ = 0;
 };
 
 constexpr int64_t kMaxLines = 1024;     // prefetches handed to one micro-kernel call
