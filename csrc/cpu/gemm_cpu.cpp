@@ -97,15 +97,17 @@ struct Tile {
 };
 
 // Runs `tile` on the own kernel when the plan sends a tile of its size there. For bf16 against
-// oneDNN (`shape_rules`), packing B does not pay for fewer than 32 rows of A when B is too large
-// to stay in L2 (one thread, AMD EPYC, 2026-11-23, measured when the kernel still packed all of B
+// oneDNN (`shape_rules`; one thread, AMD EPYC, 2026-11-23): packing B does not pay for fewer than
+// 32 rows of A when B is too large to stay in L2 (measured when the kernel still packed all of B
 // before its first product: 1 to 16 rows of a 2048 x 768 weight at 0.67x to 0.91x oneDNN, 32 rows
-// at 1.05x), and over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x).
+// at 1.05x), over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x), and an A read in place
+// over 4 MB, which the kernel reads again for every 32 columns of B, lost to oneDNN's blocking
+// (4096 x 1024 x 1024: 0.90x; 4096 x 2048 x 768: 0.92x; 2048 x 1024 x 1024: 1.04x).
 template <typename T>
 bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
-  const double kn = static_cast<double>(t.K) * t.N;
-  if (plan.shape_rules && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5))) return false;
+  const double kn = static_cast<double>(t.K) * t.N, mk = static_cast<double>(t.M) * t.K;
+  if (plan.shape_rules && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6))) return false;
   if constexpr (std::is_same<T, float>::value)
     f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
   else

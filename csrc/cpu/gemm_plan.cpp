@@ -51,17 +51,18 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// bf16 tiles below this many FLOPs take the own kernel on the native path. Measured on an
-// AVX512-BF16 CPU without AMX (AMD EPYC, 2026-11-23): one thread, the own kernel ran at 0.98x to
-// 1.65x oneDNN's `at::mm` for tiles of 8 to 64 rows and at about 1.0x for 512 x 1024 x 1024
-// (1.07 GFLOP); inside the grouped GEMM, where it also prefetches the next tile, E=8 experts of
-// 512 rows and more (K = N = 1024) ran 0.99x to 1.14x against oneDNN per tile. Past a few
-// thousand rows oneDNN's blocking wins (4096 x 1024 x 1024: 0.85x), so tiles under 1.2 GFLOP
-// take it. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
+// bf16 tiles below this many FLOPs take the own kernel on the native path (with the shape rules
+// of gemm_cpu.cpp's `own_kernel`). Measured on an AVX512-BF16 CPU without AMX (AMD EPYC,
+// 2026-11-23), each time against oneDNN's `at::mm` per tile in the same run: one thread, the own
+// kernel ran at 0.98x to 1.65x for tiles of 8 to 64 rows; in the grouped GEMM, where it also
+// prefetches the next tile, 1.01x to 1.08x for forward tiles of 1 to 8.6 GFLOP (512 to 2048 rows,
+// K and N 1024 or 2048; 1.02x to 1.06x with 2 threads), and 1.02x to 1.13x for weight gradients
+// of 0.6 to 4.3 GFLOP per group (but 0.93x for 4 groups of 512 rows at K = N = 1024, tiles that
+// took the own kernel before too). So every tile the shape rules allow takes it, up to 10 GFLOP. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
 // times the kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us
 // at this kernel's rate) take it.
 double own_kernel_below() {
-  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.2e9;
+  static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.0e10;
   return below;
 }
 
