@@ -5,8 +5,9 @@
 // 64 rows each) pays that per group and reaches a third of one dense GEMM's speed. And in a
 // grouped GEMM every tile's operands come from memory (each group has its own weight), where a
 // library call per tile cannot overlap one tile's loads with the previous tile's FLOPs. These
-// kernels have no set-up beyond packing the right operand, and prefetch the next tile's memory
-// (which the caller names) while they compute.
+// kernels have no set-up beyond packing the right operand, and prefetch while they compute: the
+// next tile's operands (which the caller names), B's next panel when B is large, and the output's
+// next lines with write intent.
 //
 // What they compute: C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 in registers over the whole
 // K; bf16 rounds once at the end (round to nearest even), like oneDNN's bf16 path.
@@ -331,8 +332,8 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
   // bytes) over the whole tile, and the next tile's B: whole over the whole tile when it is at
   // most kWholeB, else panel by panel: its first panel during this tile's last panel, and each
   // later one during the panel before it. A large B would not fit in L2 beside this tile's
-  // operands; a small one is better asked for early (E=128 experts of 256 x 128 bf16, one
-  // bench run: panel by panel was 1.06x to 1.09x slower there).
+  // operands; a small one is better asked for early (E=128 experts of 256 x 128 bf16, an A/B
+  // in fixed order over the bench rows: panel by panel was 1.06x to 1.09x slower there).
   const int64_t panels = (N + kNR - 1) / kNR, blocks = (M + kMR - 1) / kMR, calls = panels * blocks;
   const bool whole_b = K * N * static_cast<int64_t>(sizeof(T)) <= kWholeB;  // then this B came whole
   Feed next_a, next_b;
