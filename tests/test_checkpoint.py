@@ -333,3 +333,77 @@ def test_writer_refuses_a_key_planned_twice(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a.qkv is planned twice"):
         StreamingSafetensorsWriter(tmp_path / "x.safetensors", planned)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ---- DirectReader: large whole chunks read straight into their destination -------------------
+
+
+def _spy_direct(monkeypatch) -> list[tuple[str, bool]]:
+    """Record (key, read directly?) for every item DirectReader considers."""
+    from grouped_ep.checkpoint import direct_reader
+
+    seen: list[tuple[str, bool]] = []
+    original = direct_reader.DirectReader._read_direct
+
+    def spy(self, f, path, req, planner):
+        done = original(self, f, path, req, planner)
+        seen.append((req.storage_index.fqn, done))
+        return done
+
+    monkeypatch.setattr(direct_reader.DirectReader, "_read_direct", spy)
+    return seen
+
+
+@pytest.mark.parametrize("min_bytes", [1 << 20, 0], ids=["default", "every_size"])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_direct_reader_equals_saved_values(tmp_path: Path, monkeypatch, min_bytes) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from grouped_ep.checkpoint import direct_reader
+
+    monkeypatch.setattr(direct_reader, "MIN_DIRECT_BYTES", min_bytes)
+    g = torch.Generator().manual_seed(0)
+    saved = {
+        "fp32": torch.randn(600, 700, generator=g),  # 1.68 MB
+        "bf16": torch.randn(1024, 1024, generator=g).bfloat16(),
+        "int64": torch.arange(300_000),
+        "transposed": torch.randn(800, 700, generator=g).t(),  # saved with its strides
+        "small": torch.randn(10, generator=g),
+        "scalar": torch.tensor(3.5),
+    }
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    dest = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in saved.items()}  # contiguous
+    dest["into_view"] = torch.zeros(700, 600).t()  # a non-contiguous destination
+    saved["into_view"] = saved["fp32"]
+    dcp.save(
+        {"into_view": saved["fp32"]},
+        storage_writer=dcp.FileSystemWriter(str(tmp_path / "view")),
+        no_dist=True,
+    )
+    seen = _spy_direct(monkeypatch)
+    view_dest = {"into_view": dest.pop("into_view")}
+    dcp.load(dest, storage_reader=direct_reader.DirectReader(str(tmp_path)), no_dist=True)
+    dcp.load(
+        view_dest,
+        storage_reader=direct_reader.DirectReader(str(tmp_path / "view")),
+        no_dist=True,
+    )
+    dest.update(view_dest)
+    for k, v in saved.items():
+        assert torch.equal(dest[k], v), k
+    direct = {k for k, done in seen if done}
+    expected = {"fp32", "bf16", "int64"} | ({"small", "scalar"} if min_bytes == 0 else set())
+    assert direct == expected  # the transposed save and the view destination took DCP's path
+    assert ("transposed", False) in seen
+
+
+def test_direct_reader_names_a_damaged_chunk(tmp_path: Path) -> None:
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(600, 700))  # 1.68 MB: read directly
+    path = ck.save(tmp_path, model, step=0)
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200:] = bytes(200)  # the archive's directory, at its end: same size, unreadable
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ck.CheckpointError, match=r"may be partly loaded(.|\n)*__0_0\.distcp"):
+        ck.load(tmp_path, model)

@@ -62,6 +62,7 @@ from grouped_ep.checkpoint.collective import (
     rank,
     world,
 )
+from grouped_ep.checkpoint.direct_reader import DirectReader
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
 from grouped_ep.checkpoint.layout import (
@@ -330,7 +331,7 @@ def load(
         raise CheckpointError(f"load: {extra_file} is missing (the checkpoint had extra state)")
     try:
         with dcp_quiet():
-            reader = dcp.FileSystemReader(str(ckpt))
+            reader = DirectReader(str(ckpt))  # DCP's reader, one copy for large chunks
             dcp.load(current, storage_reader=reader, no_dist=not distributed())
     except CheckpointException as e:
         raise CheckpointError(
