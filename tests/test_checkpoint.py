@@ -407,3 +407,46 @@ def test_direct_reader_names_a_damaged_chunk(tmp_path: Path) -> None:
     data.write_bytes(bytes(raw))
     with pytest.raises(ck.CheckpointError, match=r"may be partly loaded(.|\n)*__0_0\.distcp"):
         ck.load(tmp_path, model)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_direct_reader_reads_a_block_of_rows(tmp_path: Path, monkeypatch) -> None:
+    """A resharded load asks for part of a saved chunk: a block of rows is read directly, a
+    block of columns through DCP's path; both equal the saved values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from grouped_ep.checkpoint.direct_reader import DirectReader
+
+    saved = torch.randn(1000, 600, generator=torch.Generator().manual_seed(1))  # 2.4 MB
+    dcp.save({"w": saved}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    reader = DirectReader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    (index,) = reader.storage_data
+    boxes = {"rows": ((100, 0), (300, 600)), "cols": ((0, 100), (1000, 200))}
+    dest = {name: torch.zeros(size) for name, (_, size) in boxes.items()}
+    items = [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(name, (0, 0)),
+            dest_offsets=torch.Size([0, 0]),
+            storage_index=index,
+            storage_offsets=torch.Size(offsets),
+            lengths=torch.Size(size),
+        )
+        for name, (offsets, size) in boxes.items()
+    ]
+
+    class Planner:
+        def resolve_tensor(self, req):
+            return dest[req.dest_index.fqn]
+
+        def commit_tensor(self, req, tensor):
+            pass
+
+    seen = _spy_direct(monkeypatch)
+    reader.read_data(LoadPlan(items), Planner()).wait()
+    assert torch.equal(dest["rows"], saved[100:400])
+    assert torch.equal(dest["cols"], saved[:, 100:300])
+    assert [done for _, done in seen] == [True, False]

@@ -4,8 +4,9 @@ DCP's `FileSystemReader` loads each saved chunk with `torch.load` into a new ten
 it into the destination: every byte is written twice, and the new tensor's fresh pages are
 faulted in on the way. A chunk saved by DCP is one `torch.save` archive inside a `.distcp` file
 (stored, not compressed); its bytes lie in one record of that archive. Where the destination is
-the whole chunk, contiguous, on CPU and of the saved dtype, and the saved tensor is contiguous
-and fills its storage, `DirectReader` reads that record's bytes into the destination itself. The
+contiguous, on CPU and of the saved dtype, the saved tensor is contiguous and fills its storage,
+and the request is whole rows of it (all of it, or a block of its first dim, as a resharded
+load asks for), `DirectReader` reads those bytes into the destination itself. The
 saved tensor's dtype, shape and strides come from the archive's pickle, loaded onto the meta
 device (no data read). Every other item (small chunks, partial reads of a resharded chunk,
 non-contiguous layouts, transformed streams, non-tensor values) goes through DCP's own path.
@@ -78,7 +79,6 @@ class DirectReader(FileSystemReader):
                 req.type == LoadItemType.TENSOR
                 and not info.transform_descriptors
                 and info.length >= MIN_DIRECT_BYTES
-                and not any(req.storage_offsets)
             ):
                 per_file.setdefault(info.relative_path, []).append(req)
             else:
@@ -111,14 +111,25 @@ class DirectReader(FileSystemReader):
         if not isinstance(saved, torch.Tensor) or saved.dtype != target.dtype:
             return False
         nbytes = saved.numel() * saved.element_size()
+        lengths, offsets = tuple(req.lengths), tuple(req.storage_offsets)
         if (
-            tuple(saved.shape) != tuple(req.lengths)
-            or saved.shape != target.shape
-            or not saved.is_contiguous()
+            not saved.is_contiguous()
             or saved.storage_offset() != 0
             or saved.untyped_storage().nbytes() != nbytes
+            or tuple(target.shape) != lengths
+            or len(lengths) != saved.dim()
         ):
             return False
+        # The request: whole rows of the saved chunk (all of it, or a block of its first dim, as
+        # a resharded load asks for), one contiguous byte range.
+        start, count = 0, nbytes
+        if saved.dim() > 0:
+            if any(offsets[1:]) or lengths[1:] != tuple(saved.shape[1:]):
+                return False
+            if offsets[0] + lengths[0] > saved.shape[0]:
+                return False
+            row = nbytes // saved.shape[0] if saved.shape[0] else 0
+            start, count = offsets[0] * row, lengths[0] * row
         window.seek(0)
         archive = torch._C.PyTorchFileReader(window)
         records = archive.get_all_records()
@@ -126,8 +137,8 @@ class DirectReader(FileSystemReader):
         order = archive.get_record("byteorder") if "byteorder" in records else b"little"
         if len(data) != 1 or bytes(order).decode() != sys.byteorder:
             return False
-        offset = info.offset + archive.get_record_offset(data[0])
-        if nbytes:
+        offset = info.offset + archive.get_record_offset(data[0]) + start
+        if count:
             out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             _read_exactly(f, offset, out, what)
         planner.commit_tensor(req, target)
