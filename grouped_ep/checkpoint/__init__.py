@@ -1,6 +1,7 @@
 """Distributed checkpoints for sharded MoE models: save, load (resharding), export to Hugging Face.
 
 dcp.py      `save` / `load`: atomic, compact DCP checkpoints that reshard on load
+direct_reader.py  DCP's reader, but large chunks read straight into their destination
 layout.py   the root's layout: `step-N/` directories, `latest`, atomic renames; `resolve`
 inspect.py  `describe`: read and check a checkpoint without loading it (CLI: `inspect`)
 async_save.py  the handle of a background save and the wait for it
