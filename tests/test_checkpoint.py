@@ -450,3 +450,27 @@ def test_direct_reader_reads_a_block_of_rows(tmp_path: Path, monkeypatch) -> Non
     assert torch.equal(dest["rows"], saved[100:400])
     assert torch.equal(dest["cols"], saved[:, 100:300])
     assert [done for _, done in seen] == [True, False]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_direct_reader_falls_back_where_meta_loading_fails(tmp_path: Path, monkeypatch) -> None:
+    """A torch that cannot load the archive onto the meta device gets DCP's path, not an error."""
+    import torch.distributed.checkpoint as dcp
+
+    from grouped_ep.checkpoint import direct_reader
+
+    saved = {"w": torch.randn(600, 700)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    real_load = torch.load
+
+    def no_meta(*args, **kwargs):
+        if kwargs.get("map_location") == "meta":
+            raise RuntimeError("meta loading is not supported here")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(direct_reader.torch, "load", no_meta)
+    seen = _spy_direct(monkeypatch)
+    dest = {"w": torch.zeros(600, 700)}
+    dcp.load(dest, storage_reader=direct_reader.DirectReader(str(tmp_path)), no_dist=True)
+    assert seen == [("w", False)]
+    assert torch.equal(dest["w"], saved["w"])

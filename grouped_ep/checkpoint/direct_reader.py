@@ -106,8 +106,15 @@ class DirectReader(FileSystemReader):
         what = f"{path} ({req.storage_index.fqn})"
         try:
             saved = torch.load(window, map_location="meta", weights_only=True)
-        except Exception as e:  # a damaged archive: pickle and zip raise many types
-            raise OSError(f"{what}: cannot read the saved chunk ({type(e).__name__}: {e})") from e
+        except Exception as e:  # pickle and zip raise many types
+            window.seek(0)
+            try:  # can DCP's path read it? Then this torch cannot load it onto meta: use that
+                torch.load(window, map_location="cpu", weights_only=True)
+            except Exception:
+                raise OSError(
+                    f"{what}: cannot read the saved chunk ({type(e).__name__}: {e})"
+                ) from e
+            return False
         if not isinstance(saved, torch.Tensor) or saved.dtype != target.dtype:
             return False
         nbytes = saved.numel() * saved.element_size()
@@ -131,13 +138,16 @@ class DirectReader(FileSystemReader):
             row = nbytes // saved.shape[0] if saved.shape[0] else 0
             start, count = offsets[0] * row, lengths[0] * row
         window.seek(0)
-        archive = torch._C.PyTorchFileReader(window)
-        records = archive.get_all_records()
-        data = [r for r in records if r.startswith("data/")]
-        order = archive.get_record("byteorder") if "byteorder" in records else b"little"
-        if len(data) != 1 or bytes(order).decode() != sys.byteorder:
+        try:  # torch's archive reader (a private API: if it ever changes, DCP's path)
+            archive = torch._C.PyTorchFileReader(window)
+            records = archive.get_all_records()
+            data = [r for r in records if r.startswith("data/")]
+            order = archive.get_record("byteorder") if "byteorder" in records else b"little"
+            if len(data) != 1 or bytes(order).decode() != sys.byteorder:
+                return False
+            offset = info.offset + archive.get_record_offset(data[0]) + start
+        except (AttributeError, TypeError, RuntimeError):
             return False
-        offset = info.offset + archive.get_record_offset(data[0]) + start
         if count:
             out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             _read_exactly(f, offset, out, what)
