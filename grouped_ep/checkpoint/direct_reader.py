@@ -6,14 +6,16 @@ faulted in on the way. A chunk saved by DCP is one `torch.save` archive inside a
 (stored, not compressed); its bytes lie in one record of that archive. Where the destination is
 contiguous, on CPU and of the saved dtype, the saved tensor is contiguous and fills its storage,
 and the request is whole rows of it (all of it, or a block of its first dim, as a resharded
-load asks for), `DirectReader` reads those bytes into the destination itself. The
-saved tensor's dtype, shape and strides come from the archive's pickle, loaded onto the meta
-device (no data read). Every other item (small chunks, partial reads of a resharded chunk,
-non-contiguous layouts, transformed streams, non-tensor values) goes through DCP's own path.
+load asks for), `DirectReader` reads those bytes into the destination itself. The saved
+tensor's dtype, shape and strides come from the archive's pickle, loaded onto the meta device
+(no data read). Every other item (small chunks, other parts of a chunk such as a block of
+columns, non-contiguous layouts, transformed streams, non-tensor values) goes through DCP's own
+path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import sys
@@ -68,7 +70,8 @@ def _read_exactly(f, offset: int, out: memoryview, what: str) -> None:
 
 
 class DirectReader(FileSystemReader):
-    """`FileSystemReader` that reads large whole chunks into their destination in one copy."""
+    """`FileSystemReader` that reads large chunks (or row blocks of them) into their destination
+    in one copy."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         rest: list[ReadItem] = []
@@ -77,7 +80,7 @@ class DirectReader(FileSystemReader):
             info = self.storage_data[req.storage_index]
             if (
                 req.type == LoadItemType.TENSOR
-                and not info.transform_descriptors
+                and not getattr(info, "transform_descriptors", None)
                 and info.length >= MIN_DIRECT_BYTES
             ):
                 per_file.setdefault(info.relative_path, []).append(req)
@@ -91,7 +94,7 @@ class DirectReader(FileSystemReader):
                     if not self._read_direct(f, path, req, planner):
                         rest.append(req)
         if rest:
-            return super().read_data(LoadPlan(rest, plan.storage_data), planner)
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
