@@ -335,13 +335,14 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
   // operands; a small one is better asked for early (E=128 experts of 256 x 128 bf16, an A/B
   // in fixed order over the bench rows: panel by panel was 1.06x to 1.09x slower there).
   const int64_t panels = (N + kNR - 1) / kNR, blocks = (M + kMR - 1) / kMR, calls = panels * blocks;
-  const bool whole_b = K * N * static_cast<int64_t>(sizeof(T)) <= kWholeB;  // then this B came whole
+  const auto small = [](int64_t k, int64_t n) { return k * n * static_cast<int64_t>(sizeof(T)) <= kWholeB; };
+  const bool whole_b = small(K, N);  // then this B came whole, during the tile before
   Feed next_a, next_b;
   if (next) {
     const T* nb = static_cast<const T*>(next->b);
     const int64_t a_bytes = next->a ? (next->a_bytes < kNextA ? next->a_bytes : kNextA) : 0;
     next_a = {Runs{static_cast<const char*>(next->a), 1, 0, a_bytes}, 0, calls};
-    if (next->K * next->N * static_cast<int64_t>(sizeof(T)) <= kWholeB)
+    if (small(next->K, next->N))
       next_b = {b_source(nb, next->sbk, next->sbn, next->K, 0, next->N), 0, calls};
     else
       next_b = {b_source(nb, next->sbk, next->sbn, next->K, 0, next->N < kNR ? next->N : kNR), calls - blocks, calls};

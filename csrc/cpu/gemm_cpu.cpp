@@ -174,6 +174,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   const auto plan = plan_for(x.scalar_type());
   const auto dt = x.scalar_type();
   const bool own = (dt == at::kBFloat16 || dt == at::kFloat) && plan.own_below > 0;
+  const int64_t sbk = w.stride(trans_w ? 2 : 1), sbn = w.stride(trans_w ? 1 : 2);  // B = w[g] (^T)
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
     if (own) {
@@ -181,12 +182,12 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
       if (after) {
         next_rows(next, x, starts[after->group] + after->begin, after->end - after->begin);
         next.b = static_cast<const char*>(w.const_data_ptr()) + after->group * w.stride(0) * w.element_size();
-        next.sbk = w.stride(trans_w ? 2 : 1), next.sbn = w.stride(trans_w ? 1 : 2), next.K = K, next.N = N;
+        next.sbk = sbk, next.sbn = sbn, next.K = K, next.N = N;
       }
       const bool done = AT_DISPATCH_V2(dt, "gemm", AT_WRAP([&] {
         const Tile<scalar_t> tile{n, N, K, x.const_data_ptr<scalar_t>() + r0 * x.stride(0), x.stride(0), x.stride(1),
-                                  w.const_data_ptr<scalar_t>() + t.group * w.stride(0), w.stride(trans_w ? 2 : 1),
-                                  w.stride(trans_w ? 1 : 2), out.data_ptr<scalar_t>() + r0 * N, N};
+                                  w.const_data_ptr<scalar_t>() + t.group * w.stride(0), sbk, sbn,
+                                  out.data_ptr<scalar_t>() + r0 * N, N};
         return own_kernel(plan, tile, &next);
       }), at::kFloat, at::kBFloat16);
       if (done) return;
