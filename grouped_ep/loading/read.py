@@ -20,8 +20,8 @@ _STAGING_BYTES = 128 << 20  # cast / host-to-device staging (two buffers of half
 def default_threads() -> int:
     """Reader threads per rank: the CPUs this process may run on, shared with the other ranks
     of the host (`LOCAL_WORLD_SIZE`, set by torchrun), between 1 and 16. Hot reads are copies out
-    of the page cache, bound by the cores; cold reads keep the disk busy through read-ahead
-    hints (csrc/io/reader.cpp), not through more threads."""
+    of the page cache, bound by the cores; cold reads keep the disk busy through large reads
+    and the kernel's read-ahead (csrc/io/reader.cpp), not through more threads."""
     raw = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
     try:
         local_ranks = max(1, int(raw))
