@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "avx512_gemm.h"
+#include "prefetch_lines.h"
 
 // The kernels are built for x86-64 with GCC or Clang (target attributes); elsewhere the entry
 // points are empty and avx512_gemm_compiled() says so.
@@ -41,6 +42,10 @@
 
 namespace grouped_ep {
 namespace {
+
+using prefetch_lines::b_source;
+using prefetch_lines::Feed;
+using prefetch_lines::Runs;
 
 constexpr int64_t kNR = 32;  // columns per panel (two vectors of 16 fp32)
 constexpr int64_t kMR = 8;   // rows per micro-kernel call
@@ -217,69 +222,6 @@ GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int6
     }
   }
 }
-
-// Memory as `count` runs of `len` bytes, `stride` bytes apart: a panel of B's source, or a span.
-struct Runs {
-  const char* p = nullptr;
-  int64_t count = 0, stride = 0, len = 0;
-};
-
-// The memory columns [n0, n0 + cols) of B(k, n) = b[k * sbk + n * sbn] are packed from (nothing
-// for no columns, or for strides other than sbk == 1 or sbn == 1).
-template <typename T>
-Runs b_source(const T* b, int64_t sbk, int64_t sbn, int64_t K, int64_t n0, int64_t cols) {
-  if (b == nullptr || cols <= 0 || K <= 0) return {};
-  const char* base = reinterpret_cast<const char*>(b + n0 * sbn);
-  constexpr int64_t es = sizeof(T);
-  if (sbk == 1) return {base, cols, sbn * es, K * es};
-  if (sbn == 1) return {base, K, sbk * es, cols * es};
-  return {};
-}
-
-// The cache lines of some runs, handed out evenly over a tile's micro-kernel calls [first, end).
-class Feed {
- public:
-  Feed() = default;
-  Feed(Runs r, int64_t first, int64_t end) : r_(r), first_(first), end_(end) {
-    if (r_.count <= 0 || r_.len <= 0) return;
-    if (r_.stride == r_.len) r_.len *= r_.count, r_.count = 1;  // back to back: one run
-    // Runs that all start at the same offset in a line: from that line, exactly their lines;
-    // else one more line per run than a run from a line's start needs (the last byte's line).
-    const int64_t off = static_cast<int64_t>(reinterpret_cast<uintptr_t>(r_.p) % 64);
-    if (r_.count == 1 || r_.stride % 64 == 0) {
-      r_.p -= off;
-      r_.len += off;
-      per_ = (r_.len + 63) / 64;
-    } else {
-      per_ = (r_.len + 63) / 64 + 1;
-    }
-    left_ = r_.count * per_;
-    // The common cases, one run or one line per run: line i is at p + i * step.
-    step_ = r_.count == 1 ? 64 : per_ == 1 ? r_.stride : 0;
-    at_ = r_.p;
-  }
-  // Appends call `call`'s share to out[n ..] (up to cap); returns the new count.
-  int64_t take(int64_t call, const char** out, int64_t n, int64_t cap) {
-    if (call < first_ || call >= end_) return n;
-    int64_t k = (left_ + (end_ - call) - 1) / (end_ - call);
-    if (k > cap - n) k = cap - n;
-    left_ -= k;
-    if (step_ != 0) {
-      for (; k > 0; --k, at_ += step_) out[n++] = at_;
-      return n;
-    }
-    for (; k > 0; --k) {
-      out[n++] = r_.p + run_ * r_.stride + (line_ * 64 < r_.len ? line_ * 64 : r_.len - 1);
-      if (++line_ == per_) line_ = 0, ++run_;
-    }
-    return n;
-  }
-
- private:
-  Runs r_;
-  const char* at_ = nullptr;
-  int64_t first_ = 0, end_ = 0, per_ = 0, left_ = 0, step_ = 0, run_ = 0, line_ = 0;
-};
 
 constexpr int64_t kMaxLines = 1024;     // prefetches handed to one micro-kernel call
 constexpr int64_t kNextA = 256 << 10;   // bytes of the next tile's A prefetched ahead

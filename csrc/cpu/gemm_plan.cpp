@@ -58,9 +58,10 @@ bool has_avx512_bf16() {
 // prefetches the next tile, 1.01x to 1.08x for forward tiles of 1 to 8.6 GFLOP (512 to 2048 rows,
 // K and N 1024 or 2048; 1.02x to 1.06x with 2 threads), and 1.02x to 1.13x for weight gradients
 // of 0.6 to 4.3 GFLOP per group (but 0.93x for 4 groups of 512 rows at K = N = 1024, tiles that
-// took the own kernel before too). So every tile the shape rules allow takes it, up to 10 GFLOP. With AMX (not measured here: no such CPU was available) oneDNN's peak is several
-// times the kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us
-// at this kernel's rate) take it.
+// took the own kernel before too). So every tile the shape rules allow takes it, up to 10 GFLOP.
+// With AMX (not measured here: no such CPU was available) oneDNN's peak is several times the
+// kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us at this
+// kernel's rate) take it.
 double own_kernel_below() {
   static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.0e10;
   return below;
