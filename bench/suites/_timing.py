@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -30,16 +31,22 @@ def interleaved_medians(
     reps: int = 10,
     warmup: int = 2,
     budget_s: float | None = None,
+    min_s: float | None = None,
+    max_reps: int = 60,
 ) -> dict[str, float | Exception]:
     """Median wall time of each callable, timed in rounds (one call of each per round), so a
     machine that slows down for a while slows every method alike instead of the one being timed
     then: ratios between them stay honest on a shared machine. With `budget_s` (CPU), a method
-    so slow that its repeats would pass the budget is timed fewer times (at least once).
+    so slow that its repeats would pass the budget is timed fewer times (at least once). With
+    `min_s` (CPU), the rounds go on past `reps` (up to `max_reps`) until the fastest method has
+    run for about `min_s` seconds: a millisecond call timed 5 times on a shared 2-core machine
+    gives a median that moves by 10% or more from run to run.
 
     A callable that raises RuntimeError or NotImplementedError is reported as the exception
     instead of a time."""
     cuda = device.startswith("cuda")
     left: dict[str, int] = {}
+    firsts: dict[str, float] = {}
     out: dict[str, list[float] | Exception] = {}
     for name, fn in fns.items():
         try:
@@ -53,8 +60,16 @@ def interleaved_medians(
                 fn()
             left[name] = n
             out[name] = []
+            firsts[name] = first
         except (RuntimeError, NotImplementedError) as e:
             out[name] = e
+    if min_s is not None and not cuda and firsts:
+        # Extra rounds, sized by the fastest method; a slower one takes part in them only up to
+        # about 2 * min_s of its own time (its longer calls vary less from call to call).
+        rounds = min(max_reps, max(reps, math.ceil(min_s / max(min(firsts.values()), 1e-6))))
+        for name in left:
+            own = int(2 * min_s / max(firsts[name], 1e-6))
+            left[name] = max(left[name], min(rounds, own))
     while any(left.values()):
         for name, fn in fns.items():
             if left.get(name):
