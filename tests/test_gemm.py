@@ -279,15 +279,16 @@ def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     assert torch.all(dw[0] == 0) and torch.all(dw[1] == 2064)
 
 
-@pytest.mark.parametrize("k", [1, 2, 31, 33, 64])
-@pytest.mark.parametrize("n", [1, 17, 32, 45])
+@pytest.mark.parametrize("k", [1, 2, 31, 33, 64, 301])
+@pytest.mark.parametrize("n", [1, 17, 32, 45, 100])
 @pytest.mark.parametrize("layout", ["w_KN", "w_NK", "strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
     # The own kernels pack steps of K (bf16: pairs) and panels of 32 columns: odd K (a bf16
     # pair with one value), N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows
     # (micro-blocks of 8 rows and their tails), and strided views of x and w (packed through the
-    # general paths).
+    # general paths). N = 100: 4 panels, the last partial; K = 301: several
+    # 16 x 16 transposes per panel and an odd last step.
     if not _set_path(monkeypatch, "avx512", dtype):
         return
     g = torch.Generator().manual_seed(k * 100 + n)
