@@ -287,8 +287,8 @@ def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
     # The own kernels pack steps of K (bf16: pairs) and panels of 32 columns: odd K (a bf16
     # pair with one value), N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows
     # (micro-blocks of 8 rows and their tails), and strided views of x and w (packed through the
-    # general paths). N = 100: 4 panels, the last partial; K = 301: several
-    # 16 x 16 transposes per panel and an odd last step.
+    # general paths). N = 100: 4 panels, the last partial; K = 301: several 16 x 16 transposes
+    # per panel and an odd last step.
     if not _set_path(monkeypatch, "avx512", dtype):
         return
     g = torch.Generator().manual_seed(k * 100 + n)
