@@ -86,11 +86,16 @@ def geomean(values: list[float]) -> float:
 
 def summary(rows: list[dict]) -> dict:
     """Geometric mean, min and max of every ratio column (`*_x`), per (dtype, pass) group where
-    rows have those keys, so one slow baseline dtype does not colour the fp32 headline."""
+    rows have those keys, so one slow baseline dtype does not colour the fp32 headline; where
+    rows have both, also per dtype over all its passes (`[bfloat16 all]`: forward and
+    forward+backward rows together)."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         key = " ".join(str(r[k]) for k in ("dtype", "pass") if k in r) or "all"
         groups.setdefault(key, []).append(r)
+    for r in rows:
+        if "dtype" in r and "pass" in r:
+            groups.setdefault(f"{r['dtype']} all", []).append(r)
     out = {}
     for key, members in groups.items():
         for col in dict.fromkeys(k for r in members for k in r):

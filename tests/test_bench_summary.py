@@ -1,0 +1,45 @@
+"""bench/run.py's summary: the geomeans the README's targets are read from."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+_RUN = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def run():
+    spec = importlib.util.spec_from_file_location("bench_run", _RUN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_per_dtype_pass_and_per_dtype(run):
+    rows = [
+        {"dtype": "bfloat16", "pass": "fwd", "vs_dense_x": 0.8, "note_x": "n/a"},
+        {"dtype": "bfloat16", "pass": "fwd", "vs_dense_x": 0.9},
+        {"dtype": "bfloat16", "pass": "fwd+bwd", "vs_dense_x": 1.25},
+        {"dtype": "float32", "pass": "fwd", "vs_dense_x": float("nan")},
+        {"dtype": "float32", "pass": "fwd", "vs_dense_x": 2.0},
+    ]
+    s = run.summary(rows)
+    fwd = s["vs_dense_x [bfloat16 fwd]"]
+    assert math.isclose(fwd["geomean"], math.sqrt(0.8 * 0.9))
+    assert (fwd["min"], fwd["max"]) == (0.8, 0.9)
+    both = s["vs_dense_x [bfloat16 all]"]
+    assert math.isclose(both["geomean"], (0.8 * 0.9 * 1.25) ** (1 / 3))
+    assert (both["min"], both["max"]) == (0.8, 1.25)
+    # A NaN ratio (a baseline that refused the inputs) is left out, not averaged in.
+    assert s["vs_dense_x [float32 fwd]"] == {"geomean": 2.0, "min": 2.0, "max": 2.0}
+    assert s["vs_dense_x [float32 all]"]["geomean"] == 2.0
+    # Only ratio columns (`*_x` with numbers) are summarised.
+    assert not any(k.startswith("note_x") for k in s)
+
+
+def test_summary_without_dtype_or_pass(run):
+    s = run.summary([{"case": "a", "speed_x": 2.0}, {"case": "b", "speed_x": 8.0}])
+    assert list(s) == ["speed_x"]
+    assert math.isclose(s["speed_x"]["geomean"], 4.0)
