@@ -56,6 +56,29 @@ def test_large_groups_parallel_chunks(trans_w):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_of_freshly_mapped_memory(dtype):
+    # A weight gradient of 32 MiB or more (fp32 here: 8 x 1024 x 1024) is memory the C library
+    # maps afresh on every call, which the op makes resident before writing it; an output of 16
+    # rows past offs[-1] and an empty group must still be exact zeros, twice in a row (the second
+    # call may get memory that is already resident).
+    sizes = [5, 0, 40, 3, 17, 1, 9, 30]
+    offs = offsets(sizes)
+    t = sum(sizes) + 16
+    x = (torch.randn(t, 1024) / 32).to(dtype)
+    dy = (torch.randn(t, 1024) / 32).to(dtype)
+    w = (torch.randn(8, 1024, 1024) / 32).to(dtype)
+    for _ in range(2):
+        dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=True)
+        assert dw.shape == (8, 1024, 1024)
+        assert_close(dw, wgrad_ref(x, dy, offs, trans_w=True), dtype)
+        assert torch.all(dw[1] == 0)
+        big = torch.cat([x, x, x, x] * 16)  # 4,096+ rows: a forward output of 16+ MiB in fp32
+        offs_big = offsets([big.shape[0] - 64, 0, 64, 0, 0, 0, 0, 0])
+        out = grouped_ep.gemm(big, w, offs_big, trans_w=True)
+        assert_close(out, gemm_ref(big, w, offs_big, trans_w=True), dtype)
+
+
 def test_int64_offs_and_noncontiguous_inputs():
     x, w, offs = make_case("unaligned", k=24, n=20, dtype=torch.float32, trans_w=False)
     x_nc = x.t().contiguous().t()  # same values, column-major strides

@@ -39,6 +39,7 @@
 
 #include "checks.h"
 #include "io/join_all.h"
+#include "pages.h"
 
 namespace grouped_ep {
 namespace {
@@ -87,14 +88,9 @@ void advise_huge_pages(const at::Tensor& out) {
 // whole range in one call; where the kernel lacks it (or the mapping refuses it), one write per
 // page does the same. Writing a byte the read then overwrites is harmless.
 void populate(uint8_t* dst, int64_t len, bool& madvise_works) {
-  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t page = pages::page_size();
   if (len <= 0) return;
-  const auto begin = reinterpret_cast<uintptr_t>(dst) / page * page;
-  const auto end = reinterpret_cast<uintptr_t>(dst) + static_cast<uintptr_t>(len);
-  if (madvise_works &&
-      ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) {
-    return;
-  }
+  if (madvise_works && pages::populate_write(dst, len)) return;
   madvise_works = false;
   volatile uint8_t* p = dst;
   for (int64_t off = 0; off < len;) {
