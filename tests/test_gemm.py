@@ -214,12 +214,14 @@ def test_bad_input_device_mismatch_named():
 # ---- CPU paths: bf16/fp16 native (oneDNN) or widened to fp32, fp32 BLAS or the own kernel ------
 # The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM and GROUPED_EP_CPU_F32_GEMM force each
 # path, so all are checked on every CPU (a forced native path on a CPU without the feature is
-# slow, not wrong). "avx512" sends every bf16 (fp32) tile to the own AVX-512 kernel; on a CPU
-# without avx512_bf16 it must refuse, naming the variable.
+# slow, not wrong). "avx512" sends every bf16 (fp32) tile to the own AVX-512 kernel, "amx" every
+# bf16 tile to the own AMX kernel; on a CPU without avx512_bf16 (amx_bf16) each must refuse,
+# naming the variable.
 
 HALF = [torch.bfloat16, torch.float16]
 HALF_IDS = ["bf16", "fp16"]
 HAS_AVX512_BF16 = bool(torch._C._cpu._get_cpu_capability().get("avx512_bf16"))
+HAS_AMX_BF16 = HAS_AVX512_BF16 and bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
 
 
 def _is_amd_cpu() -> bool:
@@ -231,8 +233,8 @@ def _set_path(monkeypatch, path, dtype):
     """Force `path`; False where it cannot run on this CPU (after checking that it refuses)."""
     var = "GROUPED_EP_CPU_F32_GEMM" if dtype == torch.float32 else "GROUPED_EP_CPU_HALF_GEMM"
     monkeypatch.setenv(var, path)
-    if path == "avx512" and not HAS_AVX512_BF16:
-        with pytest.raises(RuntimeError, match=f"{var}=avx512 needs a CPU"):
+    if (path == "avx512" and not HAS_AVX512_BF16) or (path == "amx" and not HAS_AMX_BF16):
+        with pytest.raises(RuntimeError, match=f"{var}={path} needs a CPU"):
             torch.ops.grouped_ep.cpu_gemm_path(dtype)
         return False
     expect = {
@@ -240,8 +242,9 @@ def _set_path(monkeypatch, path, dtype):
         "widen": "widen",
         "blas": "blas",
         "avx512": "avx512: own" if dtype == torch.float32 else "native: own avx512-bf16",
+        "amx": "native: own amx-bf16",
     }[path]
-    if path == "avx512" and dtype == torch.float16:
+    if path in ("avx512", "amx") and dtype == torch.float16:
         expect = ""  # a bf16 kernel: fp16 keeps its automatic choice
     assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(expect)
     return True
@@ -264,7 +267,7 @@ def test_f32_paths_match_reference(monkeypatch, path, pattern, trans_w):
     assert torch.all(dw[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("path", ["native", "widen", "avx512"])
+@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
@@ -283,7 +286,7 @@ def test_half_paths_match_reference(monkeypatch, path, dtype, pattern, trans_w):
     assert torch.all(dw[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("path", ["native", "widen", "avx512"])
+@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     # 2048 products of 1 * (1 + 2^-7): exactly 2064 with fp32 accumulation (representable in
@@ -302,20 +305,24 @@ def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     assert torch.all(dw[0] == 0) and torch.all(dw[1] == 2064)
 
 
+OWN_KERNELS = [("avx512", torch.bfloat16), ("avx512", torch.float32), ("amx", torch.bfloat16)]
+OWN_IDS = ["avx512-bf16", "avx512-fp32", "amx-bf16"]
+
+
 @pytest.mark.parametrize("k", [1, 2, 31, 33, 64, 301])
 @pytest.mark.parametrize("n", [1, 17, 32, 45, 100])
 @pytest.mark.parametrize("layout", ["w_KN", "w_NK", "strided"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
+@pytest.mark.parametrize("kernel,dtype", OWN_KERNELS, ids=OWN_IDS)
+def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, kernel, dtype):
     # The own kernels pack steps of K (bf16: pairs) and panels of 32 columns: odd K (a bf16
-    # pair with one value), N around the panel width, 1 x 1 tiles, groups of 1 to 19 rows
-    # (micro-blocks of 8 rows and their tails), and strided views of x and w (packed through the
-    # general paths). N = 100: 4 panels, the last partial; K = 301: several 16 x 16 transposes
-    # per panel and an odd last step.
-    if not _set_path(monkeypatch, "avx512", dtype):
+    # pair with one value), N around the panel width, 1 x 1 tiles, groups of 1 to 70 rows
+    # (micro-blocks of 8 rows, AMX blocks of 32, and their tails), and strided views of x and w
+    # (packed through the general paths). N = 100: 4 panels, the last partial; K = 301: several
+    # 16 x 16 transposes per panel and an odd last step; K = 64: AMX reads x in place.
+    if not _set_path(monkeypatch, kernel, dtype):
         return
     g = torch.Generator().manual_seed(k * 100 + n)
-    sizes = [3, 0, 19, 1, 8, 9]
+    sizes = [3, 0, 19, 1, 8, 9, 70]
     t = sum(sizes) + 2
     trans_w = layout == "w_NK"
     x = torch.randn(t, k, generator=g).to(dtype)
@@ -336,13 +343,13 @@ def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, dtype):
     assert torch.all(dw[1] == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_own_kernel_weight_gradient_of_a_huge_group(monkeypatch, dtype):
+@pytest.mark.parametrize("kernel,dtype", OWN_KERNELS, ids=OWN_IDS)
+def test_own_kernel_weight_gradient_of_a_huge_group(monkeypatch, kernel, dtype):
     # A group of 140001 rows: the weight gradient's packed operand (the group's rows of x, about
     # 9 MB packed) is done in blocks of 32-row panels under the kernel's scratch cap, the last one
     # partial. Values in {-1, 0, 1}: every sum is exact with fp32 accumulation, so the result
     # equals the fp64 reference rounded once to the dtype.
-    if not _set_path(monkeypatch, "avx512", dtype):
+    if not _set_path(monkeypatch, kernel, dtype):
         return
     g = torch.Generator().manual_seed(5)
     rows, k, n = 140001, 70, 5

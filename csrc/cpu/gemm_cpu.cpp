@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "avx512_gemm.h"
 #include "checks.h"
 #include "gemm_plan.h"
@@ -113,6 +114,8 @@ bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   if (plan.shape_rules && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6))) return false;
   if constexpr (std::is_same<T, float>::value)
     f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
+  else if (plan.amx)
+    bf16_amx_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
   else
     bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
   return true;

@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 
+#include "amx_gemm.h"
 #include "avx512_gemm.h"
 #include "checks.h"
 
@@ -67,6 +68,16 @@ double own_kernel_below() {
   return below;
 }
 
+// Whether bf16 tiles can take the own AMX kernel: the CPU has AMX-BF16 (and AVX512-BF16, for the
+// rounding to bf16) and Linux granted this process the tile state.
+bool has_amx_bf16() {
+  static const bool has = cpu_has("amx_bf16") && has_avx512_bf16() && amx_bf16_ready();
+  return has;
+}
+
+// bf16 tiles below this many FLOPs take the own AMX kernel, where the CPU has AMX. TODO measure.
+double amx_kernel_below() { return kEvery; }
+
 // Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
 // set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
 // kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
@@ -110,24 +121,38 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
   if (env && *env && std::strcmp(env, "auto") != 0) {
     const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
-    GE_CHECK(native || own || std::strcmp(env, "widen") == 0,
+    const bool amx = std::strcmp(env, "amx") == 0;
+    GE_CHECK(native || own || amx || std::strcmp(env, "widen") == 0,
              "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
-             " must be 'auto', 'native', 'widen' or 'avx512'");
+             " must be 'auto', 'native', 'widen', 'avx512' or 'amx'");
     GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU with ",
              "avx512_bf16 (and an x86-64 GCC/Clang build); this one has none");
-    if (!own || bf16) {
-      if (why) *why = own ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
-                          : "forced by GROUPED_EP_CPU_HALF_GEMM";
-      if (own) return {HalfPath::kNative, kEvery, false};
+    GE_CHECK(!amx || has_amx_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=amx needs a CPU with amx_bf16 and ",
+             "avx512_bf16 (and an x86-64 GCC/Clang build, and Linux granting the AMX state); this one has ",
+             cpu_has("amx_bf16") ? "amx_bf16 but not the rest" : "no amx_bf16");
+    if ((!own && !amx) || bf16) {
+      if (why) *why = own   ? "own avx512-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
+                      : amx ? "own amx-bf16 kernel for every tile, forced by GROUPED_EP_CPU_HALF_GEMM"
+                            : "forced by GROUPED_EP_CPU_HALF_GEMM";
+      if (own || amx) return {HalfPath::kNative, kEvery, false, false, amx};
       return {native ? HalfPath::kNative : HalfPath::kWiden, 0, false};
     }
-    // avx512 names a bf16 kernel: fp16 keeps its automatic choice.
+    // avx512 and amx name bf16 kernels: fp16 keeps its automatic choice.
   }
   const auto feature = native_feature(dt);
   if (feature.empty()) {
     if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
                     (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
     return {HalfPath::kWiden, 0, false};
+  }
+  if (bf16 && has_amx_bf16()) {
+    const double below = amx_kernel_below();
+    if (why) {
+      *why = feature + "; own amx-bf16 kernel for ";
+      *why += below == kEvery ? std::string("every tile")
+                              : "tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) + " MFLOP";
+    }
+    return {HalfPath::kNative, below, false, false, true};
   }
   const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
   if (why) {

@@ -26,6 +26,7 @@ struct Plan {
   double own_below = 0;
   bool shape_rules = false;
   bool widen_own = false;  // widened tiles take the own fp32 kernel (fp32's plan says so)
+  bool amx = false;        // the own bf16 kernel is the AMX one (amx_gemm.cpp), not AVX512-BF16
 };
 
 // The plan for a product of `dt` tiles on this CPU now; raises on a bad override.

@@ -1,0 +1,231 @@
+// A bf16 GEMM on AMX tiles (TDPBF16PS) for the CPU grouped GEMM's tiles.
+//
+// Why: on a CPU with AMX, oneDNN's bf16 GEMM (what at::mm runs) reaches 1.5-1.7 TFLOP/s per core
+// on one large product, but each call has a set-up cost of the order of 10 us. A grouped GEMM of
+// many small groups (E=128 experts of 64 rows x 256 x 128: 4.2 MFLOP each) paid it per group and
+// ran at 0.15x of one dense product's speed (Intel Xeon with AMX-BF16, 2 threads, 2026-11-25).
+// This kernel has no set-up beyond packing the right operand.
+//
+// What it computes: C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 inside the tiles over the
+// whole K, rounded once to bf16 (round to nearest even), like oneDNN's bf16 path.
+//
+// How: B is packed one panel of 32 columns at a time into the pair layout of avx512_pack.h
+// ([steps][32] lanes, a step a pair of K values), its steps zero-padded to a multiple of 16: 16
+// steps of 16 columns are one AMX B tile (16 rows of 64 bytes, 128 bytes apart). A is loaded as
+// tiles of 16 rows x 32 values straight from memory when its K is contiguous and a multiple of 32;
+// else (odd K, the weight gradient's transposed A) it is packed into rows of zero-padded K. A
+// 32 x 32 block of C lives in four tiles (2 x 2); each step of 32 K values loads two tiles of A
+// and two of B and issues four TDPBF16PS. The block is stored to a 4 KB fp32 buffer and rounded
+// to bf16 from there.
+#include "amx_gemm.h"
+
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GE_AMX_BUILD 1
+#else
+#define GE_AMX_BUILD 0
+#endif
+
+#if GE_AMX_BUILD
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "avx512_pack.h"
+#endif
+
+namespace grouped_ep {
+namespace {
+
+#if GE_AMX_BUILD
+using avx512_pack::kNR;
+using avx512_pack::pack_b;
+using avx512_pack::transpose16;
+
+#define GE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prfchw,amx-tile,amx-bf16")))
+
+constexpr int64_t kTileSteps = 16;  // K pairs per tile: 32 bf16 values, one 64-byte tile row
+constexpr int64_t kBlockRows = 32;  // rows of C per block (two tiles of 16)
+constexpr int64_t kPackCap = 8 << 20;  // bytes of packed A a thread keeps at most (see run_amx)
+
+// GCC's AMX intrinsics are asm statements that do not tell the compiler they read or write
+// memory: a fence before tiles load what C++ code just wrote (the tile configuration, packed
+// operands) and after they store what C++ code then reads.
+inline void memory_fence() { asm volatile("" ::: "memory"); }
+
+// Palette 1, all eight tiles 16 rows x 64 bytes: 0-3 the 2 x 2 tiles of a C block (16 x 16 fp32),
+// 4-5 A's two 16-row halves (16 x 32 bf16), 6-7 B's two 16-column halves (16 steps x 16 pairs).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+GE_AMX void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  memory_fence();
+  _tile_loadconfig(&cfg);
+}
+
+GE_AMX void release_tiles() { _tile_release(); }
+
+// One block of C: rows [0, rows) and columns [0, cols) of c (at most 32 each) from 32 rows of A
+// (`a`, rows `lda` bytes apart, `tiles` * 32 values each, zero past K) and a packed panel of B.
+GE_AMX void block(int64_t tiles, const char* a, int64_t lda, const char* bp, uint16_t* c, int64_t ldc,
+                  int64_t rows, int64_t cols) {
+  alignas(64) float acc[kBlockRows * kNR];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const char* a1 = a + 16 * lda;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const char* bt = bp + t * kTileSteps * kNR * 4;
+    _tile_loadd(4, a + t * 64, lda);
+    _tile_loadd(6, bt, kNR * 4);
+    _tile_loadd(7, bt + 64, kNR * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + t * 64, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, kNR * 4);
+  _tile_stored(1, acc + 16, kNR * 4);
+  _tile_stored(2, acc + 16 * kNR, kNR * 4);
+  _tile_stored(3, acc + 16 * kNR + 16, kNR * 4);
+  memory_fence();
+  const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm256_mask_storeu_epi16(c + i * ldc, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + i * kNR)));
+    _mm256_mask_storeu_epi16(c + i * ldc + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + i * kNR + 16)));
+  }
+}
+
+// A's rows [0, M) as rows of `kpad` values at out (zero past K; rows up to M rounded up to 32
+// zero too). A(m, k) = a[m * sam + k * sak]. With K contiguous (sak == 1) a row copy; else each
+// 32-row panel is packed in the pair layout (steps x rows) into `tmp`, then transposed 16 x 16
+// lanes at a time into rows.
+GE_AMX void pack_a(const uint16_t* a, int64_t sam, int64_t sak, int64_t M, int64_t K, int64_t kpad,
+                   uint16_t* out, uint16_t* tmp) {
+  const int64_t mpad = (M + kBlockRows - 1) / kBlockRows * kBlockRows;
+  if (sak == 1) {
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(out + m * kpad, a + m * sam, K * 2);
+      std::memset(out + m * kpad + K, 0, (kpad - K) * 2);
+    }
+    std::memset(out + M * kpad, 0, (mpad - M) * kpad * 2);
+    return;
+  }
+  const int64_t steps = (K + 1) / 2, steps_pad = kpad / 2;
+  for (int64_t q = 0; q < mpad / kNR; ++q) {
+    pack_b(a, sak, sam, K, M, tmp, q, q + 1);  // zero past K and past M
+    std::memset(tmp + steps * kNR * 2, 0, (steps_pad - steps) * kNR * 4);
+    for (int64_t j0 = 0; j0 < kNR; j0 += 16)
+      for (int64_t s0 = 0; s0 < steps_pad; s0 += 16)
+        transpose16(tmp + (s0 * kNR + j0) * 2, kNR * 2, 16, 16, out + (q * kNR + j0) * kpad + s0 * 2, steps_pad);
+  }
+}
+
+struct Scratch {
+  std::vector<uint16_t> bpanel, apack, tmp;
+};
+
+// C = A @ B for rows [0, M) of A and C; see the top of the file.
+GE_AMX void amx_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b,
+                     int64_t sbk, int64_t sbn, uint16_t* c, int64_t ldc, Scratch& s) {
+  const int64_t steps = (K + 1) / 2, tiles = (steps + kTileSteps - 1) / kTileSteps;
+  const int64_t kpad = tiles * kTileSteps * 2;  // K rounded up to 32
+  // A in place: K contiguous and a multiple of 32 (tile rows never read past a row's end); its
+  // last partial block of rows is copied, zero-padded, so no tile reads past A.
+  const bool in_place = sak == 1 && kpad == K;
+  const int64_t full = in_place ? M / kBlockRows * kBlockRows : 0;
+  if (in_place) {
+    if (full < M) pack_a(a + full * sam, sam, 1, M - full, K, kpad, s.apack.data(), nullptr);
+  } else {
+    pack_a(a, sam, sak, M, K, kpad, s.apack.data(), s.tmp.data());
+  }
+  const int64_t panels = (N + kNR - 1) / kNR;
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
+    pack_b(b, sbk, sbn, K, N, s.bpanel.data(), p, p + 1);
+    std::memset(s.bpanel.data() + steps * kNR * 2, 0, (tiles * kTileSteps - steps) * kNR * 4);
+    memory_fence();
+    for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
+      const int64_t rows = M - m0 < kBlockRows ? M - m0 : kBlockRows;
+      const bool here = m0 < full;
+      const uint16_t* a0 = here ? a + m0 * sam : s.apack.data() + (m0 - full) * kpad;
+      block(tiles, reinterpret_cast<const char*>(a0), (here ? sam : kpad) * 2,
+            reinterpret_cast<const char*>(s.bpanel.data()), c + m0 * ldc + n0, ldc, rows, cols);
+    }
+  }
+}
+
+// Sizes the scratch and cuts a packed A into blocks of rows whose packed copy stays under
+// kPackCap (the weight gradient's K is a group's row count: any size).
+void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b,
+             int64_t sbk, int64_t sbn, uint16_t* c, int64_t ldc) {
+  thread_local Scratch s;
+  const int64_t steps_pad = ((K + 1) / 2 + kTileSteps - 1) / kTileSteps * kTileSteps, kpad = steps_pad * 2;
+  s.bpanel.resize(static_cast<size_t>(steps_pad * kNR * 2));
+  const bool in_place = sak == 1 && kpad == K;
+  int64_t rows = kBlockRows;
+  if (!in_place) {
+    rows = kPackCap / (kpad * 2) / kBlockRows * kBlockRows;
+    rows = rows < kBlockRows ? kBlockRows : rows;
+    s.tmp.resize(static_cast<size_t>(steps_pad * kNR * 2));
+  }
+  s.apack.resize(static_cast<size_t>((M < rows ? (M + kBlockRows - 1) / kBlockRows * kBlockRows : rows) * kpad));
+  configure_tiles();
+  if (in_place) {
+    amx_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, s);
+  } else {
+    for (int64_t m0 = 0; m0 < M; m0 += rows)
+      amx_impl(M - m0 < rows ? M - m0 : rows, N, K, a + m0 * sam, sam, sak, b, sbk, sbn, c + m0 * ldc, ldc, s);
+  }
+  release_tiles();
+}
+#undef GE_AMX
+#endif
+
+}  // namespace
+
+bool amx_bf16_ready() {
+#if GE_AMX_BUILD
+  // Linux hands a process the AMX tile state (8 KB per thread) only on request
+  // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN asks the same way.
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+void bf16_amx_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam, int64_t sak,
+                   const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(static_cast<void*>(c + m * ldc), 0, N * sizeof(*c));
+    return;
+  }
+#if GE_AMX_BUILD
+  run_amx(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b), sbk, sbn,
+          reinterpret_cast<uint16_t*>(c), ldc);
+#else
+  (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn;
+#endif
+}
+
+}  // namespace grouped_ep
