@@ -19,6 +19,7 @@
 // to bf16 from there.
 #include "amx_gemm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -48,7 +49,9 @@ using avx512_pack::transpose16;
 
 constexpr int64_t kTileSteps = 16;  // K pairs per tile: 32 bf16 values, one 64-byte tile row
 constexpr int64_t kBlockRows = 32;  // rows of C per block (two tiles of 16)
-constexpr int64_t kPackCap = 8 << 20;  // bytes of packed A a thread keeps at most (see run_amx)
+constexpr int64_t kPackCap = 8 << 20;     // bytes of packed A a thread keeps at most (see run_amx)
+constexpr int64_t kGroupBytes = 512 << 10;  // packed B per group of panels
+constexpr int64_t kChunkRows = 256;         // rows of A run over one group's panels in turn
 
 // GCC's AMX intrinsics are asm statements that do not tell the compiler they read or write
 // memory: a fence before tiles load what C++ code just wrote (the tile configuration, packed
@@ -154,18 +157,30 @@ GE_AMX void amx_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t
   } else {
     pack_a(a, sam, sak, M, K, kpad, s.apack.data(), s.tmp.data());
   }
-  const int64_t panels = (N + kNR - 1) / kNR;
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
-    pack_b(b, sbk, sbn, K, N, s.bpanel.data(), p, p + 1);
-    std::memset(s.bpanel.data() + steps * kNR * 2, 0, (tiles * kTileSteps - steps) * kNR * 4);
+  // B is packed a group of panels at a time (up to kGroupBytes; a row-major B is then read row by
+  // row, each row once per group), and the group's panels are run over A in chunks of
+  // kChunkRows rows, so that A's chunk and B's group stay in L2 while they are reused.
+  const int64_t panels = (N + kNR - 1) / kNR, pstride = tiles * kTileSteps * kNR * 2;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(panels, kGroupBytes / (pstride * 2)));
+  for (int64_t p0 = 0; p0 < panels; p0 += group) {
+    const int64_t pe = std::min(panels, p0 + group);
+    pack_b(b, sbk, sbn, K, N, s.bpanel.data(), p0, pe, pstride);
+    if (tiles * kTileSteps > steps)
+      for (int64_t p = p0; p < pe; ++p)
+        std::memset(s.bpanel.data() + (p - p0) * pstride + steps * kNR * 2, 0, (tiles * kTileSteps - steps) * kNR * 4);
     memory_fence();
-    for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
-      const int64_t rows = M - m0 < kBlockRows ? M - m0 : kBlockRows;
-      const bool here = m0 < full;
-      const uint16_t* a0 = here ? a + m0 * sam : s.apack.data() + (m0 - full) * kpad;
-      block(tiles, reinterpret_cast<const char*>(a0), (here ? sam : kpad) * 2,
-            reinterpret_cast<const char*>(s.bpanel.data()), c + m0 * ldc + n0, ldc, rows, cols);
+    for (int64_t mc = 0; mc < M; mc += kChunkRows) {
+      const int64_t mend = std::min(M, mc + kChunkRows);
+      for (int64_t p = p0; p < pe; ++p) {
+        const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
+        const char* bp = reinterpret_cast<const char*>(s.bpanel.data() + (p - p0) * pstride);
+        for (int64_t m0 = mc; m0 < mend; m0 += kBlockRows) {
+          const bool here = m0 < full;
+          const uint16_t* a0 = here ? a + m0 * sam : s.apack.data() + (m0 - full) * kpad;
+          block(tiles, reinterpret_cast<const char*>(a0), (here ? sam : kpad) * 2, bp, c + m0 * ldc + n0, ldc,
+                std::min(kBlockRows, M - m0), cols);
+        }
+      }
     }
   }
 }
@@ -176,7 +191,8 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, in
              int64_t sbk, int64_t sbn, uint16_t* c, int64_t ldc) {
   thread_local Scratch s;
   const int64_t steps_pad = ((K + 1) / 2 + kTileSteps - 1) / kTileSteps * kTileSteps, kpad = steps_pad * 2;
-  s.bpanel.resize(static_cast<size_t>(steps_pad * kNR * 2));
+  const int64_t pstride = steps_pad * kNR * 2, panels = (N + kNR - 1) / kNR;
+  s.bpanel.resize(static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(panels, kGroupBytes / (pstride * 2))) * pstride));
   const bool in_place = sak == 1 && kpad == K;
   int64_t rows = kBlockRows;
   if (!in_place) {

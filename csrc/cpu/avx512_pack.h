@@ -91,13 +91,14 @@ GE_PACK_TARGET inline void pack_panel(const T* src, int64_t sk, int64_t sn, int6
   }
 }
 
-// Panels [p_first, p_end) of B, one after another from out (p_end < 0: to the last). A row-major
+// Panels [p_first, p_end) of B, one after another from out (p_end < 0: to the last),
+// `panel_stride` values apart (< 0: packed back to back). A row-major
 // B (sn == 1) is read in row order (every panel's part of a row, then the next row).
 template <typename T>
 GE_PACK_TARGET inline void pack_b(const T* src, int64_t sk, int64_t sn, int64_t K, int64_t N, T* out,
-                      int64_t p_first = 0, int64_t p_end = -1) {
+                      int64_t p_first = 0, int64_t p_end = -1, int64_t panel_stride = -1) {
   constexpr int64_t per = kPer<T>;
-  const int64_t steps = (K + per - 1) / per, stride = steps * kNR * per;
+  const int64_t steps = (K + per - 1) / per, stride = panel_stride < 0 ? steps * kNR * per : panel_stride;
   const int64_t pe = p_end < 0 ? (N + kNR - 1) / kNR : p_end;
   if (sn != 1) {
     for (int64_t p = p_first; p < pe; ++p) pack_panel(src, sk, sn, K, N, p * kNR, out + (p - p_first) * stride);

@@ -100,18 +100,27 @@ struct Tile {
   int64_t ldc;
 };
 
-// Runs `tile` on the own kernel when the plan sends a tile of its size there. For bf16 against
-// oneDNN (`shape_rules`; one thread, AMD EPYC, 2026-11-23): packing B does not pay for fewer than
-// 32 rows of A when B is too large to stay in L2 (measured when the kernel still packed all of B
-// before its first product: 1 to 16 rows of a 2048 x 768 weight at 0.67x to 0.91x oneDNN, 32 rows
-// at 1.05x), over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x), and an A read in place
-// over 4 MB, which the kernel reads again for every 32 columns of B, lost to oneDNN's blocking
-// (4096 x 1024 x 1024: 0.90x; 4096 x 2048 x 768: 0.92x; 2048 x 1024 x 1024: 1.04x).
+// Runs `tile` on the own kernel when the plan sends a tile of its size there, with the shape
+// rules (`plan.shape_rules`) measured for each own bf16 kernel against oneDNN:
+// - AVX512-BF16 (one thread, AMD EPYC, 2026-11-23): packing B does not pay for fewer than
+//   32 rows of A when B is too large to stay in L2 (measured when the kernel still packed all of
+//   B before its first product: 1 to 16 rows of a 2048 x 768 weight at 0.67x to 0.91x oneDNN, 32
+//   rows at 1.05x), over 4 MB of B it never did (4096 x 4096: 0.67x to 0.81x), and an A read in
+//   place over 4 MB, which the kernel reads again for every 32 columns of B, lost to oneDNN's
+//   blocking (4096 x 1024 x 1024: 0.90x; 4096 x 2048 x 768: 0.92x; 2048 x 1024 x 1024: 1.04x).
+// - AMX (Intel Xeon with AMX-BF16, 2 threads, 2026-11-25; 8 groups per call, M 32 to 2048, K x N
+//   from 256 x 128 to 2048 x 2048, both weight layouts): the own kernel ran 1.06x to 4.1x oneDNN
+//   on every tile under 64 MFLOP; above that oneDNN's blocking wins (0.59x to 0.92x for 256 rows
+//   or more), except where B is K-contiguous (the [E, N, K] weight) with up to 128 rows, which
+//   oneDNN must transpose too: 1.08x to 1.29x up to 201 MFLOP, 0.98x at 268.
 template <typename T>
 bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
-  if (2.0 * t.M * t.N * t.K >= plan.own_below) return false;
+  const double flops = 2.0 * t.M * t.N * t.K;
+  if (flops >= plan.own_below) return false;
   const double kn = static_cast<double>(t.K) * t.N, mk = static_cast<double>(t.M) * t.K;
-  if (plan.shape_rules && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6))) return false;
+  if (plan.shape_rules && plan.amx && !(flops < 6.4e7 || (t.sbk == 1 && t.M <= 128))) return false;
+  if (plan.shape_rules && !plan.amx && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6)))
+    return false;
   if constexpr (std::is_same<T, float>::value)
     f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
   else if (plan.amx)

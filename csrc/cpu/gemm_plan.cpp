@@ -75,8 +75,9 @@ bool has_amx_bf16() {
   return has;
 }
 
-// bf16 tiles below this many FLOPs take the own AMX kernel, where the CPU has AMX. TODO measure.
-double amx_kernel_below() { return kEvery; }
+// bf16 tiles below this many FLOPs take the own AMX kernel where the CPU has AMX (with the shape
+// rules of gemm_cpu.cpp's `own_kernel`, which cut it to 64 MFLOP for most shapes).
+constexpr double kAmxBelow = 2.56e8;
 
 // Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
 // set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
@@ -146,13 +147,8 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
     return {HalfPath::kWiden, 0, false};
   }
   if (bf16 && has_amx_bf16()) {
-    const double below = amx_kernel_below();
-    if (why) {
-      *why = feature + "; own amx-bf16 kernel for ";
-      *why += below == kEvery ? std::string("every tile")
-                              : "tiles under " + std::to_string(static_cast<int64_t>(below / 1e6)) + " MFLOP";
-    }
-    return {HalfPath::kNative, below, false, false, true};
+    if (why) *why = feature + "; tiles under 64 MFLOP (256 with a K-contiguous B and up to 128 rows) on the own amx-bf16 kernel";
+    return {HalfPath::kNative, kAmxBelow, true, false, true};
   }
   const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
   if (why) {
