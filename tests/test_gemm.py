@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from _gemm_ref import GROUP_PATTERNS, assert_close, gemm_ref, make_case, offsets, wgrad_ref
@@ -77,6 +81,53 @@ def test_outputs_of_freshly_mapped_memory(dtype):
         offs_big = offsets([big.shape[0] - 64, 0, 64, 0, 0, 0, 0, 0])
         out = grouped_ep.gemm(big, w, offs_big, trans_w=True)
         assert_close(out, gemm_ref(big, w, offs_big, trans_w=True), dtype)
+
+
+def test_large_outputs_come_back_from_the_pool():
+    # Outputs of 4 MiB or more come from a pool of the blocks earlier outputs gave back: the next
+    # output of the same size gets the dead one's memory, holds only its own values (the old
+    # values gone, rows past offs[-1] and empty groups zero again), and stays an ordinary tensor
+    # (resizable past its block, and writable).
+    sizes = [300, 0, 212]
+    offs = offsets(sizes)
+    x = torch.randn(600, 512)
+    w = torch.randn(3, 512, 2048) / 16
+    first = grouped_ep.gemm(x, w, offs)  # 600 x 2048 fp32: 4.7 MiB
+    ptr = first.data_ptr()
+    del first
+    x2 = torch.randn(600, 512)
+    out = grouped_ep.gemm(x2, w, offs)
+    assert out.data_ptr() == ptr
+    assert_close(out, gemm_ref(x2, w, offs), torch.float32)
+    assert torch.all(out[512:] == 0)
+    dw = grouped_ep.gemm_wgrad(x2, out, offs)  # 3 x 512 x 2048 fp32: 12 MiB
+    ptr = dw.data_ptr()
+    del dw
+    dw = grouped_ep.gemm_wgrad(x, out, offs)
+    assert dw.data_ptr() == ptr
+    assert_close(dw, wgrad_ref(x, out, offs), torch.float32)
+    assert torch.all(dw[1] == 0)
+    out.resize_(700, 4096).fill_(1.0)
+    assert out.shape == (700, 4096) and bool(out.eq(1.0).all())
+
+
+def test_pool_size_env_checked():
+    code = (
+        "import torch, grouped_ep\n"
+        "x = torch.randn(600, 512); w = torch.randn(1, 512, 2048)\n"
+        "grouped_ep.gemm(x, w, torch.tensor([600], dtype=torch.int32))\n"
+    )
+    env = dict(os.environ, GROUPED_EP_CPU_POOL_MB="lots")
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0
+    assert "GROUPED_EP_CPU_POOL_MB=lots must be a whole number of MiB" in run.stderr
+    env["GROUPED_EP_CPU_POOL_MB"] = "0"  # off: outputs come from at::empty
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
 
 
 def test_int64_offs_and_noncontiguous_inputs():

@@ -23,6 +23,7 @@
 #include "avx512_gemm.h"
 #include "checks.h"
 #include "gemm_plan.h"
+#include "out_pool.h"
 #include "pages.h"
 
 namespace grouped_ep {
@@ -193,7 +194,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   const auto ends = read_offs_cpu("gemm", offs, T);
   const int64_t used = ends.empty() ? 0 : ends.back();
 
-  auto out = at::empty({T, N}, x.options());
+  auto out = pooled_empty({T, N}, x.options());
   make_resident(out);
   // Rows that belong to no group are zero, by contract.
   if (used < T) out.narrow(0, used, T - used).zero_();
@@ -248,7 +249,7 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   const at::Tensor& a = trans_w ? dy : x;
   const at::Tensor& b = trans_w ? x : dy;
   const int64_t P = a.size(1), Q = b.size(1);
-  auto out = at::empty({E, P, Q}, x.options());
+  auto out = pooled_empty({E, P, Q}, x.options());
   if (E == 0) return out;
   make_resident(out);
 
