@@ -80,10 +80,57 @@ GE_AMX void configure_tiles() {
 
 GE_AMX void release_tiles() { _tile_release(); }
 
+// The packing of one panel of a K-contiguous B (sbk == 1: the [E, N, K] weight) as a list of
+// 16 x 16 lane transposes, done a few at a time between the tile products of the panel before
+// it: the transposes run on the vector units while the AMX unit multiplies. (The same layout as
+// avx512_pack.h's pack_panel.)
+struct PanelPack {
+  const uint16_t* src = nullptr;
+  uint16_t* dst = nullptr;
+  int64_t sn = 0, K = 0, n0 = 0, cols = 0, full = 0, per_col = 0, count = 0, done = 0;
+};
+
+// Zeroes what the transposes will not write (a partial panel's missing columns, bf16's odd-K
+// last step, the pad steps up to `steps_pad`) and lists the transposes of panel p.
+GE_AMX PanelPack start_panel(const uint16_t* b, int64_t sbn, int64_t K, int64_t N, int64_t p, uint16_t* out,
+                             int64_t steps_pad) {
+  PanelPack pk;
+  const int64_t steps = (K + 1) / 2;
+  pk.src = b, pk.dst = out, pk.sn = sbn, pk.K = K, pk.n0 = p * kNR;
+  pk.cols = std::min(kNR, N - pk.n0), pk.full = K / 2;
+  if (pk.cols < kNR) {
+    std::memset(out, 0, steps_pad * kNR * 4);
+  } else {
+    if (K % 2) std::memset(out + (steps - 1) * kNR * 2, 0, kNR * 4);
+    std::memset(out + steps * kNR * 2, 0, (steps_pad - steps) * kNR * 4);
+  }
+  pk.per_col = (pk.full + 15) / 16;
+  pk.count = (pk.cols + 15) / 16 * pk.per_col;
+  return pk;
+}
+
+// Runs the panel's transposes up to number `upto`.
+GE_AMX void run_panel(PanelPack& pk, int64_t upto) {
+  for (upto = std::min(upto, pk.count); pk.done < upto; ++pk.done) {
+    const int64_t j0 = pk.done / pk.per_col * 16, s0 = pk.done % pk.per_col * 16;
+    transpose16(pk.src + (pk.n0 + j0) * pk.sn + 2 * s0, pk.sn, std::min<int64_t>(16, pk.cols - j0),
+                std::min<int64_t>(16, pk.full - s0), pk.dst + (s0 * kNR + j0) * 2);
+  }
+}
+
+// The rest of the panel's transposes, and bf16's odd-K last step (one value, its partner zero).
+GE_AMX void finish_panel(PanelPack& pk) {
+  run_panel(pk, pk.count);
+  if (pk.K % 2)
+    for (int64_t j = 0; j < pk.cols; ++j) pk.dst[(pk.full * kNR + j) * 2] = pk.src[(pk.n0 + j) * pk.sn + pk.K - 1];
+}
+
 // One block of C: rows [0, rows) and columns [0, cols) of c (at most 32 each) from 32 rows of A
 // (`a`, rows `lda` bytes apart, `tiles` * 32 values each, zero past K) and a packed panel of B.
+// `job` (optional): a panel to pack meanwhile, `quota` of its transposes spread over the steps.
 GE_AMX void block(int64_t tiles, const char* a, int64_t lda, const char* bp, uint16_t* c, int64_t ldc,
-                  int64_t rows, int64_t cols) {
+                  int64_t rows, int64_t cols, PanelPack* job = nullptr, int64_t quota = 0) {
+  const int64_t base = job ? job->done : 0;
   alignas(64) float acc[kBlockRows * kNR];
   _tile_zero(0);
   _tile_zero(1);
@@ -100,6 +147,7 @@ GE_AMX void block(int64_t tiles, const char* a, int64_t lda, const char* bp, uin
     _tile_loadd(5, a1 + t * 64, lda);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    if (job) run_panel(*job, base + (t + 1) * quota / tiles);
   }
   _tile_stored(0, acc, kNR * 4);
   _tile_stored(1, acc + 16, kNR * 4);
@@ -157,10 +205,32 @@ GE_AMX void amx_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t
   } else {
     pack_a(a, sam, sak, M, K, kpad, s.apack.data(), s.tmp.data());
   }
-  // B is packed a group of panels at a time (up to kGroupBytes; a row-major B is then read row by
+  const int64_t panels = (N + kNR - 1) / kNR, pstride = tiles * kTileSteps * kNR * 2;
+  if (sbk == 1 && sbn != 1) {
+    // A K-contiguous B: panel p + 1 is packed while panel p multiplies (two buffers).
+    uint16_t* buf[2] = {s.bpanel.data(), s.bpanel.data() + pstride};
+    const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+    PanelPack pk = start_panel(b, sbn, K, N, 0, buf[0], tiles * kTileSteps);
+    finish_panel(pk);
+    for (int64_t p = 0; p < panels; ++p) {
+      memory_fence();
+      const bool more = p + 1 < panels;
+      if (more) pk = start_panel(b, sbn, K, N, p + 1, buf[(p + 1) % 2], tiles * kTileSteps);
+      const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0), quota = more ? (pk.count + blocks - 1) / blocks : 0;
+      const char* bp = reinterpret_cast<const char*>(buf[p % 2]);
+      for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
+        const bool here = m0 < full;
+        const uint16_t* a0 = here ? a + m0 * sam : s.apack.data() + (m0 - full) * kpad;
+        block(tiles, reinterpret_cast<const char*>(a0), (here ? sam : kpad) * 2, bp, c + m0 * ldc + n0, ldc,
+              std::min(kBlockRows, M - m0), cols, more ? &pk : nullptr, quota);
+      }
+      if (more) finish_panel(pk);
+    }
+    return;
+  }
+  // Else B is packed a group of panels at a time (up to kGroupBytes; a row-major B is then read row by
   // row, each row once per group), and the group's panels are run over A in chunks of
   // kChunkRows rows, so that A's chunk and B's group stay in L2 while they are reused.
-  const int64_t panels = (N + kNR - 1) / kNR, pstride = tiles * kTileSteps * kNR * 2;
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(panels, kGroupBytes / (pstride * 2)));
   for (int64_t p0 = 0; p0 < panels; p0 += group) {
     const int64_t pe = std::min(panels, p0 + group);
@@ -192,7 +262,7 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, in
   thread_local Scratch s;
   const int64_t steps_pad = ((K + 1) / 2 + kTileSteps - 1) / kTileSteps * kTileSteps, kpad = steps_pad * 2;
   const int64_t pstride = steps_pad * kNR * 2, panels = (N + kNR - 1) / kNR;
-  s.bpanel.resize(static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(panels, kGroupBytes / (pstride * 2))) * pstride));
+  s.bpanel.resize(static_cast<size_t>(std::max<int64_t>(2, std::min<int64_t>(panels, kGroupBytes / (pstride * 2))) * pstride));
   const bool in_place = sak == 1 && kpad == K;
   int64_t rows = kBlockRows;
   if (!in_place) {
