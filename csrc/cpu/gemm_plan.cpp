@@ -83,8 +83,8 @@ constexpr double kAmxBelow = 2.56e8;
 // set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
 // kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
 // 256 to 4096, up to a 64 MB weight), and 1.12x to 1.30x on the geomeans of the grouped GEMM
-// bench. On Intel CPUs MKL is the reference implementation and no Intel CPU was measured: fp32
-// stays with it there.
+// bench. On Intel CPUs MKL is the reference implementation, faster than the own kernel on every
+// bench row but those of the smallest tiles (`kF32OwnBelowIntel`).
 bool f32_own_default() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool amd = __builtin_cpu_is("amd");
@@ -93,6 +93,12 @@ bool f32_own_default() {
   return false;
 #endif
 }
+
+// fp32 tiles under this many FLOPs take the own kernel on other CPUs with its instruction set
+// (Intel). Intel Xeon with AMX, 2 threads, 2026-11-25, every tile on the own kernel against every
+// tile on MKL, same process: E=128 groups of 64 x 256 x 128 (4.2 MFLOP) 1.11x forward, 1.11x
+// and 0.99x forward+backward; every other bench row (16.8 MFLOP tiles and up) 0.74x to 1.01x.
+constexpr double kF32OwnBelowIntel = 8.0e6;
 
 // The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512.
 Plan f32_plan(std::string* why = nullptr) {
@@ -111,7 +117,9 @@ Plan f32_plan(std::string* why = nullptr) {
                          : own  ? "AMD CPU with avx512_bf16"
                          : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
     *why = std::string(own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
+    if (!forced && !own && has_avx512_bf16()) *why += "; tiles under 8 MFLOP on the own avx512 kernel";
   }
+  if (!forced && !own && has_avx512_bf16()) return {HalfPath::kNative, kF32OwnBelowIntel, false};
   return {HalfPath::kNative, own ? kEvery : 0, false};
 }
 
