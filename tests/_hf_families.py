@@ -28,6 +28,7 @@ MAX_PARAMS = 2_000_000
 # whose own value is a list gets one tiny value per entry.
 _TINY = {
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # inkling2: the LM head's width (vocab_size is the padded one)
     "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 8,
     "hidden_size": 32,
