@@ -76,8 +76,9 @@ bool has_amx_bf16() {
 }
 
 // bf16 tiles below this many FLOPs take the own AMX kernel where the CPU has AMX (with the shape
-// rules of gemm_cpu.cpp's `own_kernel`, which cut it to 64 MFLOP for most shapes).
-constexpr double kAmxBelow = 2.56e8;
+// rules of gemm_cpu.cpp's `own_kernel`, which cut it to 64 MFLOP for most shapes; the largest
+// tile measured there was 1.07 GFLOP).
+constexpr double kAmxBelow = 1.2e9;
 
 // Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
 // set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
@@ -155,7 +156,7 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
     return {HalfPath::kWiden, 0, false};
   }
   if (bf16 && has_amx_bf16()) {
-    if (why) *why = feature + "; tiles under 64 MFLOP (256 with a K-contiguous B and up to 128 rows) on the own amx-bf16 kernel";
+    if (why) *why = feature + "; tiles under 64 MFLOP (1200 with a K-contiguous B and up to 128 rows) on the own amx-bf16 kernel";
     return {HalfPath::kNative, kAmxBelow, true, false, true};
   }
   const double below = bf16 && has_avx512_bf16() ? own_kernel_below() : 0;
