@@ -25,15 +25,7 @@ DP2_EP2 = [n for n in ("qwen2_moe", "gpt_oss", "mixtral") if n in FAMILIES]
 
 # Known failures (test, family) -> reason, as strict xfails: a test that starts passing fails,
 # so this list can only shrink.
-_INKLING2_LOOP = (
-    "transformers 5.24 merges inkling2_loop's message_input.query [layers, 4, hidden] from two "
-    "checkpoint keys of [2 * layers, hidden], their rows going to alternate query slots; "
-    "load_sharded lays a tensor out only as boxes of its keys and refuses this one by name"
-)
-KNOWN_FAILING: dict[tuple[str, str], str] = {
-    (test, "inkling2_loop"): _INKLING2_LOOP
-    for test in ("ep2_load_sharded_logits", "ep2_adamw_step", "checkpoint_resume_world1")
-}
+KNOWN_FAILING: dict[tuple[str, str], str] = {}
 
 
 def _families(test: str, names: list[str]) -> list:

@@ -32,7 +32,8 @@ KeyMap = Callable[[str], "str | Sequence[str | Sequence[str]] | None"]
 
 _EXPERT_PARAM = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>[^.]+)$")
 # (key, offset in the model tensor, shape there, key's shape[, corner in the key and the key dim
-# each model dim follows, when the piece is only part of the key or the key is transposed])
+# each model dim follows, when the piece is only part of the key or the key is transposed[, the
+# shape the key is read as, when that is a view of it with one dim split in two]])
 Layout = list[tuple]
 
 
@@ -213,7 +214,7 @@ def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape)
         ):
             return [(key, tuple(lo), box, file_shape)]
     if len(file_shape) != nd:
-        return None
+        return _split_key_pieces(coords, mine, key, shape)
     where = torch.nonzero(mine)
     lo_f, hi_f = where.min(0).values.tolist(), where.max(0).values.tolist()
     region = tuple(slice(a, b + 1) for a, b in zip(lo_f, hi_f))
@@ -250,6 +251,32 @@ def _key_pieces(coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape)
         else:
             layout.append((key, offset, box, file_shape, tuple(corner), tuple(dims)))
     return layout
+
+
+def _split_key_pieces(
+    coords: list[torch.Tensor], mine: torch.Tensor, key: str, shape
+) -> Layout | None:
+    """`_key_pieces` for a key of one dim fewer than the model tensor, read as a view of itself
+    with one dim split in two (the same bytes): inkling2_loop's message queries [2 * L, H] hold,
+    per layer l, rows 2l and 2l + 1 for two of the model tensor's [L, 4, H] slots. Each split is
+    tried; a piece keeps the key's real shape, and a partial one the view it is read through."""
+    file_shape = tuple(coords[0].shape)
+    if len(file_shape) + 1 != len(shape):
+        return None
+    for k, n in enumerate(file_shape):
+        for f in range(2, n):
+            if n % f:
+                continue
+            view = file_shape[:k] + (n // f, f) + file_shape[k + 1 :]
+            pieces = _key_pieces([c.reshape(view) for c in coords], mine.reshape(view), key, shape)
+            if pieces is not None:
+                return [
+                    (p[0], p[1], p[2], file_shape)
+                    if len(p) == 4
+                    else (*p[:3], file_shape, *p[4:], view)
+                    for p in pieces
+                ]
+    return None
 
 
 def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
@@ -347,8 +374,8 @@ def _check_layout(
                 f"{entry.path}: shape mismatch for {key!r}: model tensor {name!r} {list(shape)} "
                 f"needs {list(file_shape)} here, the file has {list(entry.shape)}"
             )
-        corner, dims = (part + [None, None])[:2]
-        pieces.append(Piece(entry, offset, pshape, corner, dims))
+        corner, dims, view = (part + [None, None, None])[:3]
+        pieces.append(Piece(entry, offset, pshape, corner, dims, view))
     return pieces
 
 

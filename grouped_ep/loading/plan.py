@@ -39,6 +39,14 @@ class Piece:
     file_offset: tuple[int, ...] | None = None
     # For such a piece, the key dim each model dim follows (a transposed key), if not in order.
     file_dims: tuple[int, ...] | None = None
+    # For such a piece, the shape its key is read as, if not the key's own: a view of the same
+    # bytes with the model tensor's ndim (one key dim split in two).
+    file_view: tuple[int, ...] | None = None
+
+    @property
+    def file_shape(self) -> tuple[int, ...]:
+        """The shape of the key as this piece reads it (for a partial piece)."""
+        return self.file_view or tuple(self.entry.shape)
 
     @property
     def is_whole(self) -> bool:
@@ -130,7 +138,7 @@ def _box_ranges(box: list[tuple[int, int]], piece: Piece):
     """piece_ranges for an owned box and a piece in dim order: interval arithmetic, no index
     lists (planning a model with thousands of experts runs this once per checkpoint key)."""
     nd, item = len(box), piece.entry.dtype.itemsize
-    file_shape = piece.shape if piece.is_whole else tuple(piece.entry.shape)
+    file_shape = piece.shape if piece.is_whole else piece.file_shape
     corner = piece.file_offset or (0,) * nd
     count, s0, d0 = [], [], []
     for d, (lo, hi) in enumerate(box):
@@ -187,7 +195,7 @@ def piece_ranges(
             return empty
         src_pos.append(rel[sel] + (0 if piece.is_whole else piece.file_offset[dims[d]]))
         dst_pos.append(sel.astype(np.int64))
-    file_shape = piece.shape if piece.is_whole else tuple(piece.entry.shape)
+    file_shape = piece.shape if piece.is_whole else piece.file_shape
 
     def whole(d: int) -> bool:
         n = file_shape[d]
