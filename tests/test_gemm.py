@@ -85,9 +85,9 @@ def test_outputs_of_freshly_mapped_memory(dtype):
 
 def test_large_outputs_come_back_from_the_pool():
     # Outputs of 4 MiB or more come from a pool of the blocks earlier outputs gave back: the next
-    # output of the same size gets the dead one's memory, holds only its own values (the old
-    # values gone, rows past offs[-1] and empty groups zero again), and stays an ordinary tensor
-    # (resizable past its block, and writable).
+    # output of the same size gets the dead one's memory (of equal blocks, the last given back,
+    # whatever earlier tests left in the pool), holds only its own values (rows past offs[-1]
+    # and empty groups zero again), and stays an ordinary tensor (resizable past its block).
     sizes = [300, 0, 212]
     offs = offsets(sizes)
     x = torch.randn(600, 512)

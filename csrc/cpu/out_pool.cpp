@@ -6,7 +6,8 @@
 // (48 MiB) that cost halved the weight gradient's speed: 182 GFLOP/s against 358 with glibc told
 // to keep its memory (Intel Xeon, 2 threads, 2026-11-25). PyTorch's CPU allocator keeps no cache;
 // this pool keeps the blocks of dead outputs, up to GROUPED_EP_CPU_POOL_MB (default 1024; 0 turns
-// the pool off), and hands one out again for an output of the same size or up to 1/8 smaller.
+// the pool off), and hands one out again for an output of the same size or up to 1/8 smaller
+// (the smallest such block, the last given back among equals).
 // The oldest blocks are unmapped first when the cap is reached.
 #include "out_pool.h"
 
@@ -57,14 +58,18 @@ class Pool {
     return *pool;
   }
 
-  // A held block of `bytes` to `bytes` + 1/8, or null.
+  // A held block of `bytes` to `bytes` + 1/8, or null: the smallest, and of those the one given
+  // back last (its memory the most likely still in cache).
   Block take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     size_t best = free_.size();
-    for (size_t i = 0; i < free_.size(); ++i)
-      if (free_[i].bytes >= bytes && free_[i].bytes <= bytes + bytes / 8 &&
-          (best == free_.size() || free_[i].bytes < free_[best].bytes))
+    for (size_t i = 0; i < free_.size(); ++i) {
+      const Block& b = free_[i];
+      if (b.bytes < bytes || b.bytes > bytes + bytes / 8) continue;
+      if (best == free_.size() || b.bytes < free_[best].bytes ||
+          (b.bytes == free_[best].bytes && b.tick > free_[best].tick))
         best = i;
+    }
     if (best == free_.size()) return {nullptr, 0, 0};
     const Block b = free_[best];
     free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
