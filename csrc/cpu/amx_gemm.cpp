@@ -80,6 +80,11 @@ GE_AMX void configure_tiles() {
 
 GE_AMX void release_tiles() { _tile_release(); }
 
+// Zeroes the steps [steps, steps_pad) of a packed panel (pad to whole tiles of K).
+inline void zero_pad_steps(uint16_t* panel, int64_t steps, int64_t steps_pad) {
+  std::memset(panel + steps * kNR * 2, 0, (steps_pad - steps) * kNR * 4);
+}
+
 // The packing of one panel of a K-contiguous B (sbk == 1: the [E, N, K] weight) as a list of
 // 16 x 16 lane transposes, done a few at a time between the tile products of the panel before
 // it: the transposes run on the vector units while the AMX unit multiplies. (The same layout as
@@ -102,7 +107,7 @@ GE_AMX PanelPack start_panel(const uint16_t* b, int64_t sbn, int64_t K, int64_t 
     std::memset(out, 0, steps_pad * kNR * 4);
   } else {
     if (K % 2) std::memset(out + (steps - 1) * kNR * 2, 0, kNR * 4);
-    std::memset(out + steps * kNR * 2, 0, (steps_pad - steps) * kNR * 4);
+    zero_pad_steps(out, steps, steps_pad);
   }
   pk.per_col = (pk.full + 15) / 16;
   pk.count = (pk.cols + 15) / 16 * pk.per_col;
@@ -180,7 +185,7 @@ GE_AMX void pack_a(const uint16_t* a, int64_t sam, int64_t sak, int64_t M, int64
   const int64_t steps = (K + 1) / 2, steps_pad = kpad / 2;
   for (int64_t q = 0; q < mpad / kNR; ++q) {
     pack_b(a, sak, sam, K, M, tmp, q, q + 1);  // zero past K and past M
-    std::memset(tmp + steps * kNR * 2, 0, (steps_pad - steps) * kNR * 4);
+    zero_pad_steps(tmp, steps, steps_pad);
     for (int64_t j0 = 0; j0 < kNR; j0 += 16)
       for (int64_t s0 = 0; s0 < steps_pad; s0 += 16)
         transpose16(tmp + (s0 * kNR + j0) * 2, kNR * 2, 16, 16, out + (q * kNR + j0) * kpad + s0 * 2, steps_pad);
@@ -235,9 +240,7 @@ GE_AMX void amx_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t
   for (int64_t p0 = 0; p0 < panels; p0 += group) {
     const int64_t pe = std::min(panels, p0 + group);
     pack_b(b, sbk, sbn, K, N, s.bpanel.data(), p0, pe, pstride);
-    if (tiles * kTileSteps > steps)
-      for (int64_t p = p0; p < pe; ++p)
-        std::memset(s.bpanel.data() + (p - p0) * pstride + steps * kNR * 2, 0, (tiles * kTileSteps - steps) * kNR * 4);
+    for (int64_t p = p0; p < pe; ++p) zero_pad_steps(s.bpanel.data() + (p - p0) * pstride, steps, tiles * kTileSteps);
     memory_fence();
     for (int64_t mc = 0; mc < M; mc += kChunkRows) {
       const int64_t mend = std::min(M, mc + kChunkRows);

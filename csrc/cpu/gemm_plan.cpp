@@ -60,9 +60,10 @@ bool has_avx512_bf16() {
 // K and N 1024 or 2048; 1.02x to 1.06x with 2 threads), and 1.02x to 1.13x for weight gradients
 // of 0.6 to 4.3 GFLOP per group (but 0.93x for 4 groups of 512 rows at K = N = 1024, tiles that
 // took the own kernel before too). So every tile the shape rules allow takes it, up to 10 GFLOP.
-// With AMX (not measured here: no such CPU was available) oneDNN's peak is several times the
-// kernel's, so only tiles of about the size of oneDNN's set-up cost (1 MFLOP, ~16 us at this
-// kernel's rate) take it.
+// On a CPU with AMX this applies only where the AMX kernel cannot run (Linux refused the tile
+// state): oneDNN's AMX peak is several times this kernel's, so only tiles of about the size of
+// oneDNN's set-up cost (1 MFLOP) take it. (Intel Xeon with AMX, 2 threads, 2026-11-25: this
+// kernel ran at 189 to 224 GFLOP/s on every bench row, oneDNN at 153 to 319 on 2 to 4 MFLOP tiles.)
 double own_kernel_below() {
   static const double below = cpu_has("amx_bf16") ? 1.0e6 : 1.0e10;
   return below;
@@ -113,15 +114,15 @@ Plan f32_plan(std::string* why = nullptr) {
     GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx512 needs a CPU with ",
              "avx512_bf16 (the kernels' instruction set; and an x86-64 GCC/Clang build); this one has none");
   }
+  const bool small_own = !forced && !own && has_avx512_bf16();  // MKL, the own kernel for small tiles
   if (why) {
     const char* reason = forced ? "forced by GROUPED_EP_CPU_F32_GEMM"
                          : own  ? "AMD CPU with avx512_bf16"
                          : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
     *why = std::string(own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
-    if (!forced && !own && has_avx512_bf16()) *why += "; tiles under 8 MFLOP on the own avx512 kernel";
+    if (small_own) *why += "; tiles under 8 MFLOP on the own avx512 kernel";
   }
-  if (!forced && !own && has_avx512_bf16()) return {HalfPath::kNative, kF32OwnBelowIntel, false};
-  return {HalfPath::kNative, own ? kEvery : 0, false};
+  return {HalfPath::kNative, own ? kEvery : small_own ? kF32OwnBelowIntel : 0, false};
 }
 
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when

@@ -15,7 +15,6 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -23,7 +22,6 @@
 #include <sys/mman.h>
 #endif
 
-#include "pages.h"
 
 namespace grouped_ep {
 namespace {
