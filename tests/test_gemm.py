@@ -266,13 +266,15 @@ def test_bad_input_device_mismatch_named():
 # The choice is made at run time; GROUPED_EP_CPU_HALF_GEMM and GROUPED_EP_CPU_F32_GEMM force each
 # path, so all are checked on every CPU (a forced native path on a CPU without the feature is
 # slow, not wrong). "avx512" sends every bf16 (fp32) tile to the own AVX-512 kernel, "amx" every
-# bf16 tile to the own AMX kernel; on a CPU without avx512_bf16 (amx_bf16) each must refuse,
-# naming the variable.
+# bf16 tile to the own AMX kernel, "avx2" every fp32, bf16 and fp16 tile to the own AVX2 kernel;
+# on a CPU without avx512_bf16 (amx_bf16; avx2, fma and f16c) each must refuse, naming the
+# variable.
 
 HALF = [torch.bfloat16, torch.float16]
 HALF_IDS = ["bf16", "fp16"]
 HAS_AVX512_BF16 = bool(torch._C._cpu._get_cpu_capability().get("avx512_bf16"))
 HAS_AMX_BF16 = HAS_AVX512_BF16 and bool(torch._C._cpu._get_cpu_capability().get("amx_bf16"))
+HAS_AVX2 = all(torch._C._cpu._get_cpu_capability().get(f) for f in ("avx2", "fma3", "f16c"))
 
 
 def _is_amd_cpu() -> bool:
@@ -284,7 +286,8 @@ def _set_path(monkeypatch, path, dtype):
     """Force `path`; False where it cannot run on this CPU (after checking that it refuses)."""
     var = "GROUPED_EP_CPU_F32_GEMM" if dtype == torch.float32 else "GROUPED_EP_CPU_HALF_GEMM"
     monkeypatch.setenv(var, path)
-    if (path == "avx512" and not HAS_AVX512_BF16) or (path == "amx" and not HAS_AMX_BF16):
+    missing = {"avx512": not HAS_AVX512_BF16, "amx": not HAS_AMX_BF16, "avx2": not HAS_AVX2}
+    if missing.get(path, False):
         with pytest.raises(RuntimeError, match=f"{var}={path} needs a CPU"):
             torch.ops.grouped_ep.cpu_gemm_path(dtype)
         return False
@@ -294,6 +297,7 @@ def _set_path(monkeypatch, path, dtype):
         "blas": "blas",
         "avx512": "avx512: own" if dtype == torch.float32 else "native: own avx512-bf16",
         "amx": "native: own amx-bf16",
+        "avx2": "avx2: own" if dtype == torch.float32 else "widen to fp32: own avx2",
     }[path]
     if path in ("avx512", "amx") and dtype == torch.float16:
         expect = ""  # a bf16 kernel: fp16 keeps its automatic choice
@@ -301,7 +305,7 @@ def _set_path(monkeypatch, path, dtype):
     return True
 
 
-@pytest.mark.parametrize("path", ["blas", "avx512"])
+@pytest.mark.parametrize("path", ["blas", "avx512", "avx2"])
 @pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
 def test_f32_paths_match_reference(monkeypatch, path, pattern, trans_w):
@@ -318,7 +322,7 @@ def test_f32_paths_match_reference(monkeypatch, path, pattern, trans_w):
     assert torch.all(dw[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx"])
+@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx", "avx2"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("pattern", ["empty_group", "tail_rows", "skewed", "groups_256"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
@@ -337,7 +341,7 @@ def test_half_paths_match_reference(monkeypatch, path, dtype, pattern, trans_w):
     assert torch.all(dw[sizes == 0] == 0)
 
 
-@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx"])
+@pytest.mark.parametrize("path", ["native", "widen", "avx512", "amx", "avx2"])
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     # 2048 products of 1 * (1 + 2^-7): exactly 2064 with fp32 accumulation (representable in
@@ -356,8 +360,15 @@ def test_half_paths_accumulate_in_fp32(monkeypatch, path, dtype):
     assert torch.all(dw[0] == 0) and torch.all(dw[1] == 2064)
 
 
-OWN_KERNELS = [("avx512", torch.bfloat16), ("avx512", torch.float32), ("amx", torch.bfloat16)]
-OWN_IDS = ["avx512-bf16", "avx512-fp32", "amx-bf16"]
+OWN_KERNELS = [
+    ("avx512", torch.bfloat16),
+    ("avx512", torch.float32),
+    ("amx", torch.bfloat16),
+    ("avx2", torch.float32),
+    ("avx2", torch.bfloat16),
+    ("avx2", torch.float16),
+]
+OWN_IDS = ["avx512-bf16", "avx512-fp32", "amx-bf16", "avx2-fp32", "avx2-bf16", "avx2-fp16"]
 
 
 @pytest.mark.parametrize("k", [1, 2, 31, 33, 64, 301])
@@ -398,8 +409,9 @@ def test_own_kernel_odd_shapes_and_strides(monkeypatch, k, n, layout, kernel, dt
 def test_own_kernel_weight_gradient_of_a_huge_group(monkeypatch, kernel, dtype):
     # A group of 140001 rows: the weight gradient's packed operand (the group's rows of x, about
     # 9 MB packed) is done in blocks of 32-row panels under the kernel's scratch cap, the last one
-    # partial. Values in {-1, 0, 1}: every sum is exact with fp32 accumulation, so the result
-    # equals the fp64 reference rounded once to the dtype.
+    # partial (AVX2: K in blocks of about 1024, summed in fp32 and rounded once). Values in
+    # {-1, 0, 1}: every sum is exact with fp32 accumulation, so the result equals the fp64
+    # reference rounded once to the dtype.
     if not _set_path(monkeypatch, kernel, dtype):
         return
     g = torch.Generator().manual_seed(5)
@@ -411,6 +423,22 @@ def test_own_kernel_weight_gradient_of_a_huge_group(monkeypatch, kernel, dtype):
         dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
         assert torch.equal(dw, wgrad_ref(x, dy, offs, trans_w).to(dtype))
         assert torch.all(dw[1] == 0)
+
+
+@pytest.mark.parametrize("kernel,dtype", OWN_KERNELS, ids=OWN_IDS)
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_own_kernel_long_k_rounds_once(monkeypatch, kernel, dtype, trans_w):
+    # K = 3001: the AVX2 kernel sums it in three blocks (fp32 between them, in a scratch copy for
+    # 16-bit outputs); the others over the whole K. Exact sums, rounded once, as above.
+    if not _set_path(monkeypatch, kernel, dtype):
+        return
+    g = torch.Generator().manual_seed(7)
+    sizes, k, n = [13, 0, 40], 3001, 37
+    x = torch.randint(-1, 2, (sum(sizes) + 1, k), generator=g).to(dtype)
+    w = torch.randint(-1, 2, (len(sizes), *((n, k) if trans_w else (k, n))), generator=g).to(dtype)
+    offs = offsets(sizes)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert torch.equal(out, gemm_ref(x, w, offs, trans_w).to(dtype))
 
 
 def test_half_path_follows_cpu_capability(monkeypatch):
@@ -425,7 +453,8 @@ def test_half_path_follows_cpu_capability(monkeypatch):
         path = torch.ops.grouped_ep.cpu_gemm_path(dtype)
         assert path.startswith("native" if is_native else "widen"), (dtype, path, flags)
     monkeypatch.delenv("GROUPED_EP_CPU_F32_GEMM", raising=False)
-    f32 = "avx512" if _is_amd_cpu() and HAS_AVX512_BF16 else "blas"
+    amd = _is_amd_cpu()
+    f32 = "avx512" if amd and HAS_AVX512_BF16 else "avx2" if amd and HAS_AVX2 else "blas"
     assert torch.ops.grouped_ep.cpu_gemm_path(torch.float32).startswith(f32 + ":")
 
 

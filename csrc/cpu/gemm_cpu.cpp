@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "amx_gemm.h"
+#include "avx2_gemm.h"
 #include "avx512_gemm.h"
 #include "checks.h"
 #include "gemm_plan.h"
@@ -121,17 +122,30 @@ template <typename T>
 bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   const double flops = 2.0 * t.M * t.N * t.K;
   if (flops >= plan.own_below) return false;
-  const double kn = static_cast<double>(t.K) * t.N, mk = static_cast<double>(t.M) * t.K;
-  if (plan.shape_rules && plan.amx && !(flops < 6.4e7 || (t.sbk == 1 && t.M <= 128))) return false;
-  if (plan.shape_rules && !plan.amx && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6)))
-    return false;
-  if constexpr (std::is_same<T, float>::value)
-    f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
-  else if (plan.amx)
-    bf16_amx_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
-  else
-    bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
-  return true;
+  if (plan.avx2) {  // no shape rules: it takes every tile where the plan names it
+    if constexpr (std::is_same<T, float>::value)
+      f32_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+    else if constexpr (std::is_same<T, c10::BFloat16>::value)
+      bf16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+    else
+      f16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+    return true;
+  }
+  if constexpr (std::is_same<T, c10::Half>::value) {
+    return false;  // only the AVX2 kernel takes fp16
+  } else {
+    const double kn = static_cast<double>(t.K) * t.N, mk = static_cast<double>(t.M) * t.K;
+    if (plan.shape_rules && plan.amx && !(flops < 6.4e7 || (t.sbk == 1 && t.M <= 128))) return false;
+    if (plan.shape_rules && !plan.amx && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6)))
+      return false;
+    if constexpr (std::is_same<T, float>::value)
+      f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
+    else if (plan.amx)
+      bf16_amx_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+    else
+      bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
+    return true;
+  }
 }
 
 // Makes a large output resident with every thread at once, where it is freshly mapped, before
@@ -215,7 +229,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
   const auto plan = plan_for(x.scalar_type());
   const auto dt = x.scalar_type();
-  const bool own = (dt == at::kBFloat16 || dt == at::kFloat) && plan.own_below > 0;
+  const bool own = (dt == at::kBFloat16 || dt == at::kFloat || (dt == at::kHalf && plan.avx2)) && plan.own_below > 0;
   const int64_t sbk = w.stride(trans_w ? 2 : 1), sbn = w.stride(trans_w ? 1 : 2);  // B = w[g] (^T)
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
@@ -231,7 +245,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
                                   w.const_data_ptr<scalar_t>() + t.group * w.stride(0), sbk, sbn,
                                   out.data_ptr<scalar_t>() + r0 * N, N};
         return own_kernel(plan, tile, &next);
-      }), at::kFloat, at::kBFloat16);
+      }), at::kFloat, at::kBFloat16, at::kHalf);
       if (done) return;
     }
     const auto w_g = trans_w ? w.select(0, t.group).t() : w.select(0, t.group);
@@ -271,7 +285,7 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   const auto tasks = plan_tasks(out_rows, row_flops);
   const auto plan = plan_for(x.scalar_type());
   const auto dt = x.scalar_type();
-  const bool own = (dt == at::kBFloat16 || dt == at::kFloat) && plan.own_below > 0;
+  const bool own = (dt == at::kBFloat16 || dt == at::kFloat || (dt == at::kHalf && plan.avx2)) && plan.own_below > 0;
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t g = t.group, n = t.end - t.begin;
     if (own) {
@@ -288,7 +302,7 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
                                   a.stride(1), a.stride(0), b.const_data_ptr<scalar_t>() + starts[g] * b.stride(0),
                                   b.stride(0), b.stride(1), out.data_ptr<scalar_t>() + (g * P + t.begin) * Q, Q};
         return own_kernel(plan, tile, &next);
-      }), at::kFloat, at::kBFloat16);
+      }), at::kFloat, at::kBFloat16, at::kHalf);
       if (done) return;
     }
     const auto a_g = a.narrow(0, starts[g], rows[g]).narrow(1, t.begin, n);

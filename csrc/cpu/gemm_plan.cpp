@@ -11,6 +11,7 @@
 #include <string>
 
 #include "amx_gemm.h"
+#include "avx2_gemm.h"
 #include "avx512_gemm.h"
 #include "checks.h"
 
@@ -81,20 +82,23 @@ bool has_amx_bf16() {
 // tile measured there was 1.07 GFLOP).
 constexpr double kAmxBelow = 1.2e9;
 
-// Whether fp32 tiles take the own kernel by default: on AMD CPUs with the kernels' instruction
-// set. There MKL's fp32 GEMM is slower than on Intel: one thread, AMD EPYC, 2026-11-23, the own
-// kernel ran 1.03x to 1.26x MKL's `at::mm` on every tile shape tried (8 to 4096 rows, K and N
-// 256 to 4096, up to a 64 MB weight), and 1.12x to 1.30x on the geomeans of the grouped GEMM
-// bench. On Intel CPUs MKL is the reference implementation, faster than the own kernel on every
-// bench row but those of the smallest tiles (`kF32OwnBelowIntel`).
-bool f32_own_default() {
+// Whether fp32 tiles take an own kernel by default: on AMD CPUs, the AVX-512 one where the CPU
+// has its instruction set, else the AVX2 one. There MKL's fp32 GEMM is slower than on Intel: one
+// thread, AMD EPYC with AVX512-BF16, 2026-11-23, the own AVX-512 kernel ran 1.03x to 1.26x MKL's
+// `at::mm` on every tile shape tried (8 to 4096 rows, K and N 256 to 4096, up to a 64 MB weight),
+// and 1.12x to 1.30x on the geomeans of the grouped GEMM bench. On Intel CPUs MKL is the
+// reference implementation, faster than the own kernel on every bench row but those of the
+// smallest tiles (`kF32OwnBelowIntel`).
+bool is_amd() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool amd = __builtin_cpu_is("amd");
-  return amd && has_avx512_bf16();
+  return amd;
 #else
   return false;
 #endif
 }
+bool f32_own_default() { return is_amd() && has_avx512_bf16(); }
+bool f32_avx2_default() { return is_amd() && !has_avx512_bf16() && has_avx2_gemm(); }
 
 // fp32 tiles under this many FLOPs take the own kernel on other CPUs with its instruction set
 // (Intel). Intel Xeon with AMX, 2 threads, 2026-11-25, every tile on the own kernel against every
@@ -102,27 +106,37 @@ bool f32_own_default() {
 // and 0.99x forward+backward; every other bench row (16.8 MFLOP tiles and up) 0.74x to 1.01x.
 constexpr double kF32OwnBelowIntel = 8.0e6;
 
-// The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512.
+// The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512|avx2.
 Plan f32_plan(std::string* why = nullptr) {
   const char* env = std::getenv("GROUPED_EP_CPU_F32_GEMM");
   const bool forced = env && *env && std::strcmp(env, "auto") != 0;
-  bool own = f32_own_default();
+  bool own = f32_own_default(), avx2 = f32_avx2_default();
   if (forced) {
     own = std::strcmp(env, "avx512") == 0;
-    GE_CHECK(own || std::strcmp(env, "blas") == 0, "gemm: environment variable GROUPED_EP_CPU_F32_GEMM=", env,
-             " must be 'auto', 'blas' or 'avx512'");
+    avx2 = std::strcmp(env, "avx2") == 0;
+    GE_CHECK(own || avx2 || std::strcmp(env, "blas") == 0, "gemm: environment variable GROUPED_EP_CPU_F32_GEMM=",
+             env, " must be 'auto', 'blas', 'avx512' or 'avx2'");
     GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx512 needs a CPU with ",
              "avx512_bf16 (the kernels' instruction set; and an x86-64 GCC/Clang build); this one has none");
+    GE_CHECK(!avx2 || has_avx2_gemm(), "gemm: GROUPED_EP_CPU_F32_GEMM=avx2 needs a CPU with avx2, fma and ",
+             "f16c (and an x86-64 GCC/Clang build); this one lacks them");
   }
-  const bool small_own = !forced && !own && has_avx512_bf16();  // MKL, the own kernel for small tiles
+  const bool small_own = !forced && !own && !avx2 && has_avx512_bf16();  // MKL, the own kernel for small tiles
   if (why) {
-    const char* reason = forced ? "forced by GROUPED_EP_CPU_F32_GEMM"
-                         : own  ? "AMD CPU with avx512_bf16"
-                         : has_avx512_bf16() ? "not an AMD CPU" : "no avx512_bf16";
-    *why = std::string(own ? "avx512: own avx512 kernel for every tile (" : "blas: at::mm per tile (") + reason + ")";
+    const char* reason = forced             ? "forced by GROUPED_EP_CPU_F32_GEMM"
+                         : own              ? "AMD CPU with avx512_bf16"
+                         : avx2             ? "AMD CPU without avx512_bf16"
+                         : has_avx512_bf16() ? "not an AMD CPU"
+                                             : "no avx512_bf16, not an AMD CPU";
+    *why = std::string(own    ? "avx512: own avx512 kernel for every tile ("
+                       : avx2 ? "avx2: own avx2 kernel for every tile ("
+                              : "blas: at::mm per tile (") +
+           reason + ")";
     if (small_own) *why += "; tiles under 8 MFLOP on the own avx512 kernel";
   }
-  return {HalfPath::kNative, own ? kEvery : small_own ? kF32OwnBelowIntel : 0, false};
+  Plan plan{HalfPath::kNative, own || avx2 ? kEvery : small_own ? kF32OwnBelowIntel : 0, false};
+  plan.avx2 = avx2;
+  return plan;
 }
 
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
@@ -132,10 +146,18 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
   if (env && *env && std::strcmp(env, "auto") != 0) {
     const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
-    const bool amx = std::strcmp(env, "amx") == 0;
-    GE_CHECK(native || own || amx || std::strcmp(env, "widen") == 0,
+    const bool amx = std::strcmp(env, "amx") == 0, avx2 = std::strcmp(env, "avx2") == 0;
+    GE_CHECK(native || own || amx || avx2 || std::strcmp(env, "widen") == 0,
              "gemm: environment variable GROUPED_EP_CPU_HALF_GEMM=", env,
-             " must be 'auto', 'native', 'widen', 'avx512' or 'amx'");
+             " must be 'auto', 'native', 'widen', 'avx512', 'amx' or 'avx2'");
+    GE_CHECK(!avx2 || has_avx2_gemm(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx2 needs a CPU with avx2, fma and ",
+             "f16c (and an x86-64 GCC/Clang build); this one lacks them");
+    if (avx2) {  // bf16 and fp16 alike
+      if (why) *why = "own avx2 kernel for every tile (widening as it reads), forced by GROUPED_EP_CPU_HALF_GEMM";
+      Plan plan{HalfPath::kWiden, kEvery, false};
+      plan.avx2 = true;
+      return plan;
+    }
     GE_CHECK(!own || has_avx512_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=avx512 needs a CPU with ",
              "avx512_bf16 (and an x86-64 GCC/Clang build); this one has none");
     GE_CHECK(!amx || has_amx_bf16(), "gemm: GROUPED_EP_CPU_HALF_GEMM=amx needs a CPU with amx_bf16 and ",
@@ -152,9 +174,14 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   }
   const auto feature = native_feature(dt);
   if (feature.empty()) {
+    // Widened tiles take fp32's path; where that is the AVX2 kernel, it widens as it reads.
+    const bool avx2 = f32_plan().avx2;
     if (why) *why = std::string("no amx/avx512 ") + (bf16 ? "bf16" : "fp16") +
-                    (at::hasMKLDNN() ? "" : " (torch without oneDNN)");
-    return {HalfPath::kWiden, 0, false};
+                    (at::hasMKLDNN() ? "" : " (torch without oneDNN)") +
+                    (avx2 ? "; every tile on the own avx2 kernel, widening as it reads" : "");
+    Plan plan{HalfPath::kWiden, avx2 ? kEvery : 0, false};
+    plan.avx2 = avx2;
+    return plan;
   }
   if (bf16 && has_amx_bf16()) {
     if (why) *why = feature + "; tiles under 64 MFLOP (1200 with a K-contiguous B and up to 128 rows) on the own amx-bf16 kernel";
@@ -175,7 +202,13 @@ Plan plan_for(at::ScalarType dt) {
   if (dt == at::kFloat) return f32_plan();
   if (dt != at::kBFloat16 && dt != at::kHalf) return Plan{};
   auto plan = half_plan(dt);
-  plan.widen_own = plan.path == HalfPath::kWiden && f32_plan().own_below > 0;
+  // Tiles widened to fp32 tensors (GROUPED_EP_CPU_HALF_GEMM=widen, or no AVX2 kernel) take the
+  // own AVX-512 kernel where fp32 does; where fp32 takes the AVX2 kernel, forced widening means
+  // at::mm on the widened copies (the AVX2 kernel widens by itself).
+  if (plan.path == HalfPath::kWiden && !plan.avx2) {
+    const auto f32 = f32_plan();
+    plan.widen_own = f32.own_below > 0 && !f32.avx2;
+  }
   return plan;
 }
 
