@@ -98,6 +98,9 @@ bool is_amd() {
 #endif
 }
 bool f32_own_default() { return is_amd() && has_avx512_bf16(); }
+// On AMD CPUs without AVX-512 (AMD EPYC with AVX2 only, 2026-11-25) the own AVX2 kernel ran 1.03x
+// to 1.17x MKL per tile on one thread, and 1.06x MKL per tile on the geomean of the grouped GEMM
+// bench's fp32 rows (2 threads). Not measured on Intel CPUs without AVX-512: MKL stays there.
 bool f32_avx2_default() { return is_amd() && !has_avx512_bf16() && has_avx2_gemm(); }
 
 // fp32 tiles under this many FLOPs take the own kernel on other CPUs with its instruction set
