@@ -18,7 +18,7 @@
 // in L2 while every panel of B passes over it.
 //
 // Only the functions under the target attribute use AVX2; they instantiate no library template
-// (scratch is allocated outside them). The caller checks has_avx2_gemm() first.
+// (scratch is allocated outside them). The caller checks the CPU first (gemm_plan.cpp).
 #include "avx2_gemm.h"
 
 #include <cstring>
@@ -35,13 +35,13 @@
 namespace grouped_ep {
 namespace {
 
-#if GE_AVX2_BUILD
-#define GE_AVX2 __attribute__((target("avx2,fma,f16c")))
-
 // How the operands are stored: fp32, or 16-bit values (bf16 or fp16) widened on reading.
 enum class Kind { kF32, kBf16, kF16 };
 template <Kind k>
 using Elem = std::conditional_t<k == Kind::kF32, float, uint16_t>;
+
+#if GE_AVX2_BUILD
+#define GE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 constexpr int64_t kNR = 16;              // columns per panel: two vectors of 8 fp32
 constexpr int64_t kMR = 6;               // rows per micro-kernel call: 12 accumulators
@@ -244,6 +244,9 @@ GE_AVX2 void gemm_impl(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_
                        bool keep_b, float* bpack, float* apack) {
   const bool in_place = k == Kind::kF32 && sak == 1;
   const int64_t panels = (N + kNR - 1) / kNR;
+  const Micro<o>* micro_for = in_place ? kMicro<o, false, false> : kMicro<o, true, false>;  // by row count
+  if constexpr (o == Kind::kF32)
+    if (add) micro_for = in_place ? kMicro<o, false, true> : kMicro<o, true, true>;
   for (int64_t m0 = 0; m0 < M; m0 += mc) {
     const int64_t rows = M - m0 < mc ? M - m0 : mc;
     if (!in_place)
@@ -257,13 +260,7 @@ GE_AVX2 void gemm_impl(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_
         const int64_t mr = rows - i < kMR ? rows - i : kMR;
         Elem<o>* ci = c + (m0 + i) * ldc + n0;
         const float* ai = in_place ? reinterpret_cast<const float*>(a) + (m0 + i) * sam : apack + i * K;
-        if constexpr (o == Kind::kF32) {
-          if (add) {
-            (in_place ? kMicro<o, false, true> : kMicro<o, true, true>)[mr](K, ai, sam, bp, ci, ldc, cols);
-            continue;
-          }
-        }
-        (in_place ? kMicro<o, false, false> : kMicro<o, true, false>)[mr](K, ai, sam, bp, ci, ldc, cols);
+        micro_for[mr](K, ai, sam, bp, ci, ldc, cols);
       }
     }
   }
@@ -316,47 +313,31 @@ void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t
   }
   if constexpr (k != Kind::kF32) narrow_rows<k>(sum, M, N, c, ldc);
 }
+#else
+template <Kind k>
+void run(int64_t, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, Elem<k>*,
+         int64_t) {}  // never called: avx2_gemm_compiled() is false
 #endif
 
 }  // namespace
 
-bool has_avx2_gemm() {
-#if GE_AVX2_BUILD
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
-#endif
-}
+bool avx2_gemm_compiled() { return GE_AVX2_BUILD; }
 
 void f32_avx2_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak, const float* b,
                    int64_t sbk, int64_t sbn, float* c, int64_t ldc) {
-#if GE_AVX2_BUILD
   run<Kind::kF32>(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc);
-#else
-  (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;
-#endif
 }
 
 void bf16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam, int64_t sak,
                     const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc) {
-#if GE_AVX2_BUILD
   run<Kind::kBf16>(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b),
                    sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc);
-#else
-  (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;
-#endif
 }
 
 void f16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* a, int64_t sam, int64_t sak,
                    const c10::Half* b, int64_t sbk, int64_t sbn, c10::Half* c, int64_t ldc) {
-#if GE_AVX2_BUILD
   run<Kind::kF16>(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b),
                   sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc);
-#else
-  (void)M, (void)N, (void)K, (void)a, (void)sam, (void)sak, (void)b, (void)sbk, (void)sbn, (void)c, (void)ldc;
-#endif
 }
 
 }  // namespace grouped_ep

@@ -9,14 +9,14 @@
 
 namespace grouped_ep {
 
-// Whether this build has the kernels (x86-64 with GCC or Clang) and this CPU has AVX2, FMA and
-// F16C (checked once).
-bool has_avx2_gemm();
+// Whether this build has the kernels (x86-64 with GCC or Clang). The CPU must also have AVX2, FMA
+// and F16C, which the caller checks.
+bool avx2_gemm_compiled();
 
 // C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 over the whole K; bf16 and fp16 operands are
 // widened exactly as they are read and the sum is rounded once, to nearest even.
 // A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn], C(m, n) = c[m * ldc + n]. Any
-// strides; fastest with sbk == 1 or sbn == 1. The caller checks has_avx2_gemm() first.
+// strides; fastest with sbk == 1 or sbn == 1.
 void f32_avx2_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak, const float* b,
                    int64_t sbk, int64_t sbn, float* c, int64_t ldc);
 void bf16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam, int64_t sak,

@@ -5,8 +5,8 @@
 // few large ones both keep every core busy. Inside a task one GEMM call does the FLOPs; inside
 // at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription. Which GEMM
 // (at::mm, or this project's own AVX-512, AMX or AVX2 kernel) is chosen per (dtype, CPU) by
-// gemm_plan.h. The own AVX-512 kernel prefetches the next task's operands while it computes (`run_tasks` tells each task
-// which one its thread runs next).
+// gemm_plan.h. The own AVX-512 kernel prefetches the next task's operands while it computes
+// (`run_tasks` tells each task which one its thread runs next).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
@@ -234,7 +234,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   const auto tasks = plan_tasks(rows, std::vector<double>(rows.size(), 2.0 * K * N));
   const auto plan = plan_for(x.scalar_type());
   const auto dt = x.scalar_type();
-  const bool own = (dt == at::kBFloat16 || dt == at::kFloat || (dt == at::kHalf && plan.avx2)) && plan.own_below > 0;
+  const bool own = uses_own(plan, dt);
   const int64_t sbk = w.stride(trans_w ? 2 : 1), sbn = w.stride(trans_w ? 1 : 2);  // B = w[g] (^T)
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t r0 = starts[t.group] + t.begin, n = t.end - t.begin;
@@ -290,7 +290,7 @@ at::Tensor gemm_wgrad_cpu(const at::Tensor& x_in, const at::Tensor& dy_in, const
   const auto tasks = plan_tasks(out_rows, row_flops);
   const auto plan = plan_for(x.scalar_type());
   const auto dt = x.scalar_type();
-  const bool own = (dt == at::kBFloat16 || dt == at::kFloat || (dt == at::kHalf && plan.avx2)) && plan.own_below > 0;
+  const bool own = uses_own(plan, dt);
   run_tasks(tasks, [&](const Task& t, const Task* after) {
     const int64_t g = t.group, n = t.end - t.begin;
     if (own) {

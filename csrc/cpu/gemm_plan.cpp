@@ -48,6 +48,12 @@ std::string native_feature(at::ScalarType dt) {
   return dt == at::kBFloat16 ? bf16 : fp16;
 }
 
+// Whether the own AVX2 kernel can run: built, and the CPU has its instructions.
+bool has_avx2_gemm() {
+  static const bool has = avx2_gemm_compiled() && cpu_has("avx2") && cpu_has("fma3") && cpu_has("f16c");
+  return has;
+}
+
 bool has_avx512_bf16() {
   static const bool has = avx512_gemm_compiled() && cpu_has("avx512_bf16");
   return has;

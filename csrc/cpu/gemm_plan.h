@@ -35,4 +35,10 @@ struct Plan {
 // The plan for a product of `dt` tiles on this CPU now; raises on a bad override.
 Plan plan_for(at::ScalarType dt);
 
+// Whether some tiles of `dt` may take an own kernel under `plan` (fp16 only on the AVX2 one).
+inline bool uses_own(const Plan& plan, at::ScalarType dt) {
+  const bool typed = dt == at::kBFloat16 || dt == at::kFloat || (dt == at::kHalf && plan.avx2);
+  return typed && plan.own_below > 0;
+}
+
 }  // namespace grouped_ep
