@@ -46,6 +46,13 @@ using Elem = std::conditional_t<k == Kind::kF32, float, uint16_t>;
 constexpr int64_t kNR = 16;              // columns per panel: two vectors of 8 fp32
 constexpr int64_t kMR = 6;               // rows per micro-kernel call: 12 accumulators
 constexpr int64_t kAChunk = 192 << 10;   // bytes of A (fp32) per chunk of rows, kept in L2
+constexpr int64_t kMaxLines = 1024;      // prefetches handed to one micro-kernel call
+constexpr int64_t kNextA = 256 << 10;    // bytes of the next tile's A prefetched ahead
+constexpr int64_t kWholeB = 256 << 10;   // a B (as stored) up to this size is prefetched whole, ahead
+
+using prefetch_lines::b_source;
+using prefetch_lines::Feed;
+using prefetch_lines::Runs;
 
 template <Kind k>
 GE_AVX2 inline float widen1(Elem<k> v) {
@@ -189,7 +196,14 @@ GE_AVX2 void pack_panel(const Elem<k>* b, int64_t sbk, int64_t sbn, int64_t K, i
 template <Kind k>
 GE_AVX2 void pack_a(const Elem<k>* a, int64_t sam, int64_t sak, int64_t rows, int64_t K, float* dst) {
   int64_t s0 = 0;
-  if (sak == 1) {  // rows of A contiguous: 8 x 8 transposes of 6 rows and 2 of zeros
+  if (sam == 1 && sak >= 8) {  // a step's rows contiguous (the weight gradient's A): 8 values per
+    // step, those past `rows` zeroed. They lie before the next step's first value, so every step
+    // but the last (done below) reads inside A.
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), lane));
+    for (; s0 + 1 < K; ++s0) _mm256_storeu_ps(dst + s0 * kMR, _mm256_and_ps(widen8<k>(a + s0 * sak), keep));
+  }
+  else if (sak == 1) {  // rows of A contiguous: 8 x 8 transposes of 6 rows and 2 of zeros
     for (; s0 + 8 <= K; s0 += 8) {
       __m256 r[8];
       for (int64_t i = 0; i < 8; ++i) r[i] = i < rows ? widen8<k>(a + i * sam + s0) : _mm256_setzero_ps();
@@ -202,13 +216,16 @@ GE_AVX2 void pack_a(const Elem<k>* a, int64_t sam, int64_t sak, int64_t rows, in
 }
 
 // C[i, 0:cols] (+)= sum over s < K of A(i, s) * bp[s * 16 : s * 16 + 16], for i < MR: A packed
-// (A(i, s) = a[s * 6 + i]) or fp32 in place (A(i, s) = a[i * am + s]).
+// (A(i, s) = a[s * 6 + i]) or fp32 in place (A(i, s) = a[i * am + s]). pf, lines: cache lines to
+// prefetch meanwhile, one per step (the rest after the loop).
 template <Kind o, bool kPacked, bool kAdd, int MR>
-GE_AVX2 void micro(int64_t K, const float* a, int64_t am, const float* bp, Elem<o>* c, int64_t ldc, int64_t cols) {
+GE_AVX2 void micro(int64_t K, const float* a, int64_t am, const float* bp, Elem<o>* c, int64_t ldc, int64_t cols,
+                   const char* const* pf, int64_t lines) {
   __m256 acc[MR][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < K; ++s) {
+    if (s < lines) _mm_prefetch(pf[s], _MM_HINT_T1);
     const __m256 b0 = _mm256_loadu_ps(bp + s * kNR), b1 = _mm256_loadu_ps(bp + s * kNR + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -217,6 +234,7 @@ GE_AVX2 void micro(int64_t K, const float* a, int64_t am, const float* bp, Elem<
       acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
     }
   }
+  for (int64_t l = K; l < lines; ++l) _mm_prefetch(pf[l], _MM_HINT_T1);
   // Out of registers through a local copy: indexing acc by a loop variable the compiler does not
   // unroll would keep it in memory, stored on every K step (half the speed, seen with GCC 12).
   alignas(32) float out[MR][kNR];
@@ -229,38 +247,81 @@ GE_AVX2 void micro(int64_t K, const float* a, int64_t am, const float* bp, Elem<
 }
 
 template <Kind o>
-using Micro = void (*)(int64_t, const float*, int64_t, const float*, Elem<o>*, int64_t, int64_t);
+using Micro = void (*)(int64_t, const float*, int64_t, const float*, Elem<o>*, int64_t, int64_t, const char* const*,
+                       int64_t);
 template <Kind o, bool p, bool add>
 constexpr Micro<o> kMicro[kMR + 1] = {nullptr,               micro<o, p, add, 1>, micro<o, p, add, 2>,
                                       micro<o, p, add, 3>,   micro<o, p, add, 4>, micro<o, p, add, 5>,
                                       micro<o, p, add, 6>};
 
+// Asks for the lines of C's rows [0, rows) and columns [0, cols) (from c) one micro-kernel call
+// before it stores them: a line of C not in cache would be read from memory at the store.
+template <Kind o>
+GE_AVX2 void prefetch_c(const Elem<o>* c, int64_t ldc, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(c + i * ldc), end = begin + cols * sizeof(Elem<o>);
+    for (uintptr_t l = begin & ~uintptr_t(63); l < end; l += 64) _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T0);
+  }
+}
+
 // C = A @ B (o: C's type) or, with `add` (fp32 C), C += A @ B. bpack: one panel, or every panel
 // when `keep_b` (then packed during the first chunk of rows); apack: a chunk of `mc` rows of A
 // packed in 6-row blocks (unused when A is fp32 with a contiguous K, read in place).
+// Prefetched meanwhile, spread over the micro-kernel calls (as in avx512_gemm.cpp): the next
+// panel of B while the one before it computes, when it is to be packed; the next tile's A (up
+// to kNextA bytes) over the whole tile; the next tile's B whole over the whole tile when it is
+// at most kWholeB as stored, else its first panel during this tile's last panel.
 template <Kind k, Kind o>
 GE_AVX2 void gemm_impl(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t sak,
                        const Elem<k>* b, int64_t sbk, int64_t sbn, Elem<o>* c, int64_t ldc, bool add, int64_t mc,
-                       bool keep_b, float* bpack, float* apack) {
+                       bool keep_b, float* bpack, float* apack, const Prefetch* next) {
   const bool in_place = k == Kind::kF32 && sak == 1;
   const int64_t panels = (N + kNR - 1) / kNR;
   const Micro<o>* micro_for = in_place ? kMicro<o, false, false> : kMicro<o, true, false>;  // by row count
   if constexpr (o == Kind::kF32)
     if (add) micro_for = in_place ? kMicro<o, false, true> : kMicro<o, true, true>;
+  // Chunks hold whole 6-row blocks but the last: calls = panels x blocks of all of M.
+  const int64_t calls = panels * ((M + kMR - 1) / kMR);
+  const int64_t last_chunk = M - (M - 1) / mc * mc, last_calls = (last_chunk + kMR - 1) / kMR;
+  const auto small = [](int64_t kk, int64_t n) { return kk * n * static_cast<int64_t>(sizeof(Elem<k>)) <= kWholeB; };
+  const bool whole_b = small(K, N);  // then this B came whole, during the tile before
+  Feed next_a, next_b;
+  if (next) {
+    const auto* nb = static_cast<const Elem<k>*>(next->b);
+    const int64_t a_bytes = next->a ? (next->a_bytes < kNextA ? next->a_bytes : kNextA) : 0;
+    next_a = {Runs{static_cast<const char*>(next->a), 1, 0, a_bytes}, 0, calls};
+    if (small(next->K, next->N))
+      next_b = {b_source(nb, next->sbk, next->sbn, next->K, 0, next->N), 0, calls};
+    else
+      next_b = {b_source(nb, next->sbk, next->sbn, next->K, 0, next->N < kNR ? next->N : kNR), calls - last_calls,
+                calls};
+  }
+  const char* lines[kMaxLines];
+  int64_t call = 0;
   for (int64_t m0 = 0; m0 < M; m0 += mc) {
-    const int64_t rows = M - m0 < mc ? M - m0 : mc;
+    const int64_t rows = M - m0 < mc ? M - m0 : mc, blocks = (rows + kMR - 1) / kMR;
     if (!in_place)
       for (int64_t i = 0; i < rows; i += kMR)
         pack_a<k>(a + (m0 + i) * sam, sam, sak, rows - i < kMR ? rows - i : kMR, K, apack + i * K);
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kNR, cols = N - n0 < kNR ? N - n0 : kNR;
+      const bool packs = !keep_b || m0 == 0;  // this chunk packs the panels
+      const int64_t n1 = n0 + kNR, cols1 = whole_b || !packs ? 0 : N - n1 < kNR ? N - n1 : kNR;
+      Feed this_b{b_source(b, sbk, sbn, K, n1, cols1), call, call + blocks};
       float* bp = keep_b ? bpack + p * K * kNR : bpack;
-      if (!keep_b || m0 == 0) pack_panel<k>(b, sbk, sbn, K, n0, cols, bp);
-      for (int64_t i = 0; i < rows; i += kMR) {
+      if (packs) pack_panel<k>(b, sbk, sbn, K, n0, cols, bp);
+      for (int64_t i = 0; i < rows; i += kMR, ++call) {
         const int64_t mr = rows - i < kMR ? rows - i : kMR;
         Elem<o>* ci = c + (m0 + i) * ldc + n0;
+        if (i + kMR < rows)  // the next call's rows of C: this panel's next rows, or the next panel's first
+          prefetch_c<o>(ci + kMR * ldc, ldc, rows - i - kMR < kMR ? rows - i - kMR : kMR, cols);
+        else if (n1 < N)
+          prefetch_c<o>(c + m0 * ldc + n1, ldc, rows < kMR ? rows : kMR, N - n1 < kNR ? N - n1 : kNR);
+        int64_t n = this_b.take(call, lines, 0, kMaxLines);
+        n = next_a.take(call, lines, n, kMaxLines);
+        n = next_b.take(call, lines, n, kMaxLines);
         const float* ai = in_place ? reinterpret_cast<const float*>(a) + (m0 + i) * sam : apack + i * K;
-        micro_for[mr](K, ai, sam, bp, ci, ldc, cols);
+        micro_for[mr](K, ai, sam, bp, ci, ldc, cols, lines, n);
       }
     }
   }
@@ -283,7 +344,7 @@ constexpr int64_t kKeepB = 16 << 20;  // bytes
 // Scratch per thread, grown as needed (outside the AVX2 functions, see the top).
 template <Kind k>
 void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t sak, const Elem<k>* b,
-         int64_t sbk, int64_t sbn, Elem<k>* c, int64_t ldc) {
+         int64_t sbk, int64_t sbn, Elem<k>* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0 || K <= 0) return;
   thread_local std::vector<float> bpack, apack, csum;
   const int64_t blocks = K > kKSplit ? (K + kKBlock - 1) / kKBlock : 1;
@@ -295,7 +356,7 @@ void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t
   bpack.resize(static_cast<size_t>((keep_b ? panels : 1) * kc * kNR));
   apack.resize(static_cast<size_t>((mc + kMR - 1) / kMR * kMR * kc + 8));
   if (blocks == 1) {
-    gemm_impl<k, k>(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, false, mc, keep_b, bpack.data(), apack.data());
+    gemm_impl<k, k>(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, false, mc, keep_b, bpack.data(), apack.data(), next);
     return;
   }
   float* sum;
@@ -309,14 +370,14 @@ void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t kb = K - k0 < kc ? K - k0 : kc;
     gemm_impl<k, Kind::kF32>(M, N, kb, a + k0 * sak, sam, sak, b + k0 * sbk, sbk, sbn, sum, lds, k0 > 0, mc, keep_b,
-                             bpack.data(), apack.data());
+                             bpack.data(), apack.data(), k0 + kb >= K ? next : nullptr);
   }
   if constexpr (k != Kind::kF32) narrow_rows<k>(sum, M, N, c, ldc);
 }
 #else
 template <Kind k>
 void run(int64_t, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, Elem<k>*,
-         int64_t) {}  // never called: avx2_gemm_compiled() is false
+         int64_t, const Prefetch*) {}  // never called: avx2_gemm_compiled() is false
 #endif
 
 }  // namespace
@@ -324,20 +385,22 @@ void run(int64_t, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, const Elem
 bool avx2_gemm_compiled() { return GE_AVX2_BUILD; }
 
 void f32_avx2_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak, const float* b,
-                   int64_t sbk, int64_t sbn, float* c, int64_t ldc) {
-  run<Kind::kF32>(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc);
+                   int64_t sbk, int64_t sbn, float* c, int64_t ldc, const Prefetch* next) {
+  run<Kind::kF32>(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, next);
 }
 
 void bf16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam, int64_t sak,
-                    const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc) {
+                    const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc,
+                    const Prefetch* next) {
   run<Kind::kBf16>(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b),
-                   sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc);
+                   sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc, next);
 }
 
 void f16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* a, int64_t sam, int64_t sak,
-                   const c10::Half* b, int64_t sbk, int64_t sbn, c10::Half* c, int64_t ldc) {
+                   const c10::Half* b, int64_t sbk, int64_t sbn, c10::Half* c, int64_t ldc,
+                   const Prefetch* next) {
   run<Kind::kF16>(M, N, K, reinterpret_cast<const uint16_t*>(a), sam, sak, reinterpret_cast<const uint16_t*>(b),
-                  sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc);
+                  sbk, sbn, reinterpret_cast<uint16_t*>(c), ldc, next);
 }
 
 }  // namespace grouped_ep

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "prefetch_lines.h"
+
 namespace grouped_ep {
 
 // Whether this build has the kernels (x86-64 with GCC or Clang). The CPU must also have AVX2, FMA
@@ -18,10 +20,12 @@ bool avx2_gemm_compiled();
 // A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn], C(m, n) = c[m * ldc + n]. Any
 // strides; fastest with sbk == 1 or sbn == 1.
 void f32_avx2_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak, const float* b,
-                   int64_t sbk, int64_t sbn, float* c, int64_t ldc);
+                   int64_t sbk, int64_t sbn, float* c, int64_t ldc, const Prefetch* next = nullptr);
 void bf16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam, int64_t sak,
-                    const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc);
+                    const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c, int64_t ldc,
+                    const Prefetch* next = nullptr);
 void f16_avx2_gemm(int64_t M, int64_t N, int64_t K, const c10::Half* a, int64_t sam, int64_t sak,
-                   const c10::Half* b, int64_t sbk, int64_t sbn, c10::Half* c, int64_t ldc);
+                   const c10::Half* b, int64_t sbk, int64_t sbn, c10::Half* c, int64_t ldc,
+                   const Prefetch* next = nullptr);
 
 }  // namespace grouped_ep

@@ -6,23 +6,13 @@
 
 #include <cstdint>
 
+#include "prefetch_lines.h"
+
 namespace grouped_ep {
 
 // Whether this build has the kernels (x86-64 with GCC or Clang). The CPU must also have the
 // instructions (avx512_bf16, or avx512f for fp32), which the caller checks.
 bool avx512_gemm_compiled();
-
-// The next tile's operands, which the kernel asks for (a few cache lines per step) while it
-// computes, so the next tile's first pass does not wait on DRAM: A's rows (one contiguous span)
-// and B as the next call reads it (its strides, as in the kernel's arguments). The kernel
-// prefetches A (up to a cap) and B's first panel; each later panel of B is prefetched while the
-// panel before it computes. Null pointers: nothing to prefetch.
-struct Prefetch {
-  const void* a = nullptr;
-  int64_t a_bytes = 0;
-  const void* b = nullptr;
-  int64_t sbk = 0, sbn = 0, K = 0, N = 0;
-};
 
 // C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 over the whole K (bf16: rounded once, to
 // nearest even). A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn],

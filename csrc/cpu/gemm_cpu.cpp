@@ -129,11 +129,11 @@ bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   if (flops >= plan.own_below) return false;
   if (plan.avx2) {  // no shape rules: it takes every tile where the plan names it
     if constexpr (std::is_same<T, float>::value)
-      f32_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+      f32_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
     else if constexpr (std::is_same<T, c10::BFloat16>::value)
-      bf16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+      bf16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
     else
-      f16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
+      f16_avx2_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
     return true;
   }
   if constexpr (std::is_same<T, c10::Half>::value) {

@@ -1,12 +1,25 @@
-// Which cache lines the CPU GEMM kernel (avx512_gemm.cpp) prefetches in each micro-kernel call:
-// memory described as runs of bytes (a span, or the rows or columns of a strided B), cut into
-// lines and handed out evenly over a range of calls. Plain C++, no intrinsics: the kernel issues
-// the prefetches itself.
+// Which cache lines the CPU GEMM kernels (avx512_gemm.cpp, avx2_gemm.cpp) prefetch in each
+// micro-kernel call: memory described as runs of bytes (a span, or the rows or columns of a
+// strided B), cut into lines and handed out evenly over a range of calls. Plain C++, no
+// intrinsics: the kernel issues the prefetches itself.
 #pragma once
 
 #include <cstdint>
 
 namespace grouped_ep {
+
+// The next tile's operands, which the kernel asks for (a few cache lines per step) while it
+// computes, so the next tile's first pass does not wait on DRAM: A's rows (one contiguous span)
+// and B as the next call reads it (its strides, as in the kernel's arguments). A kernel
+// prefetches A (up to a cap) and B's first panel; each later panel of B is prefetched while the
+// panel before it computes. Null pointers: nothing to prefetch.
+struct Prefetch {
+  const void* a = nullptr;
+  int64_t a_bytes = 0;
+  const void* b = nullptr;
+  int64_t sbk = 0, sbn = 0, K = 0, N = 0;
+};
+
 namespace prefetch_lines {
 
 // Memory as `count` runs of `len` bytes, `stride` bytes apart: a panel of B's source, or a span.
