@@ -3,6 +3,7 @@ input, the `inspect` command, and export to Hugging Face (loaded back with trans
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import shutil
@@ -188,6 +189,46 @@ def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
     (tmp_path / "step-00000001" / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(ck.CheckpointError, match="optim.state.dense.weight.exp_avg_sq"):
         ck.load(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+
+
+def test_fresh_optimizer_is_not_stepped_by_save_or_failed_load(tmp_path: Path) -> None:
+    """torch's get_state_dict makes state for an optimizer that has none (a step at lr 0). A save
+    before the first step, or a load that fails, must leave such an optimizer without state: else
+    the first real AdamW step is bias-corrected as the second, a smaller update."""
+    ref = Small()
+    run = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    run_opt = torch.optim.AdamW(run.parameters(), lr=0.1)
+    at_save = {k: v.clone() for k, v in run.state_dict().items()}
+    saved = ck.save(tmp_path / "root", run, run_opt, step=0)
+    assert len(run_opt.state) == 0
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load(tmp_path / "nowhere", run, run_opt)
+    assert len(run_opt.state) == 0
+    other = Small()
+    other.experts = nn.Parameter(torch.zeros(5, 6, 5))  # 5 experts, the checkpoint has 4
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    with pytest.raises(ck.CheckpointError, match="model.experts: checkpoint has global shape"):
+        ck.load(saved, other, other_opt)
+    assert len(other_opt.state) == 0
+    for model, opt in ((ref, ref_opt), (run, run_opt)):
+        model.dense(model.experts.sum((0, 1))).sum().backward()
+        opt.step()
+        assert int(opt.state[model.experts]["step"]) == 1
+    for k, v in run.state_dict().items():
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=0, atol=0)
+    # The checkpoint saved before the first step resumes with no optimizer state.
+    third = Small(seed=1)
+    third_opt = torch.optim.AdamW(third.parameters(), lr=0.1)
+    ck.load(saved, third, third_opt)
+    assert len(third_opt.state) == 0
+    for k, v in third.state_dict().items():
+        torch.testing.assert_close(v, at_save[k], rtol=0, atol=0)
+
+
+def test_describe_follows_latest(saved: Path) -> None:
+    assert ck.describe(saved.parent).path == saved
+    assert not ck.describe(saved.parent).problems
 
 
 def test_inspect_lists_chunks_and_checks_coverage(saved: Path, capsys) -> None:

@@ -99,11 +99,25 @@ class _CompactSavePlanner(DefaultSavePlanner):
         return data
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, keep_made_state: bool = False
+) -> dict[str, Any]:
+    """The state dicts DCP saves or loads into.
+
+    torch's `get_state_dict` gives an optimizer that has no state yet some, by a step at lr 0
+    with zero gradients (AdamW: step 1, zero moments), so that its state dict has every key. That
+    state is not the run's: the next real step would be bias-corrected as the second. So unless
+    `keep_made_state` (`load` reads into it, and takes it out again if the load fails) it is
+    removed, from the optimizer and from the state dict: saved as no state, resumed as none.
+    """
     opts = StateDictOptions(full_state_dict=False)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=opts)}
+    had_state = bool(optimizer.state)
     msd, osd = get_state_dict(model, optimizer, options=opts)
+    if not had_state and optimizer.state and not keep_made_state:
+        optimizer.state.clear()
+        osd = {**osd, "state": {}}
     return {"model": msd, "optim": osd}
 
 
@@ -304,11 +318,24 @@ def load(
     Raises:
         CheckpointError: the checkpoint is missing, incomplete (no `.metadata`, a missing or
             truncated data file) or does not fit the model (a key missing or of another shape).
-            These checks run before anything is read, and leave the model untouched. An I/O
-            error during the read itself may leave the model partly loaded; its message says so.
+            These checks run before anything is read, and leave the model and optimizer
+            untouched. An I/O error during the read itself may leave the model partly loaded;
+            its message says so.
     """
     background.wait_pending("load")
-    current = _state(model, optimizer)  # also creates optimizer state if there is none yet
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        return _load(path, model, optimizer)
+    except BaseException:
+        if fresh:  # the state made to read into (see `_state`) goes: the optimizer is as it was
+            optimizer.state.clear()
+        raise
+
+
+def _load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any] | None:
+    current = _state(model, optimizer, keep_made_state=True)
 
     def check() -> tuple[str, dict[str, Any]]:
         ckpt = resolve(path)

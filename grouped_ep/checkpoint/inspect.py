@@ -149,14 +149,19 @@ def _chunk(md: Metadata, key: str, chunk: ChunkStorageMetadata | None) -> ChunkI
 
 
 def describe(path: str | os.PathLike) -> CheckpointInfo:
-    """Read the metadata of checkpoint `path` and check it against the files.
+    """Read the metadata of checkpoint `path` (a checkpoint directory, or a root whose `latest`
+    file names one, as `load` takes) and check it against the files.
 
     Checks: every chunk has storage; every file named exists and is long enough for the byte
     ranges it holds; every tensor's chunks tile its global shape exactly once. Problems are
     listed in the result (`raise_if_invalid()` turns them into a CheckpointError); a missing or
     unreadable `.metadata` raises CheckpointError at once.
     """
+    from grouped_ep.checkpoint.layout import LATEST_FILE, resolve  # layout imports this module
+
     path = Path(path)
+    if not (path / METADATA_FILE).is_file() and (path / LATEST_FILE).is_file():
+        path = resolve(path)
     md = read_metadata(path)
     out = CheckpointInfo(path=path, metadata=md)
     missing: dict[str, list[str]] = {}  # missing file -> keys with bytes in it
