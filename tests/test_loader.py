@@ -295,14 +295,52 @@ def test_key_map_callable_mapping_and_unused(tmp_path):
         assert report.unused_keys == ["extra"]
 
 
-def test_key_map_none_reports_missing_and_leaves_them(tmp_path):
+def test_missing_keys_raise_when_strict_else_reported_and_left(tmp_path):
     state = _fused_state()
     write_safetensors(tmp_path / "model.safetensors", {"m.norm": state["m.norm"]})
     model = _fused_model()
-    report = load_sharded(model, tmp_path, key_map=None)
+    with pytest.raises(
+        LoadError,
+        match=r"no checkpoint key for 2 tensor\(s\) of the model \(0 of them on meta\): m.experts.gate_up_proj, m.experts.down_proj",
+    ):
+        load_sharded(model, tmp_path, key_map=None)
+    assert torch.all(model.m.norm == 0)  # the strict check runs before anything is read
+    report = load_sharded(model, tmp_path, key_map=None, strict=False)
     assert report.missing == ["m.experts.gate_up_proj", "m.experts.down_proj"]
     assert torch.equal(model.m.norm, state["m.norm"])
     assert torch.all(model.m.experts.down_proj == 0)
+
+
+@pytest.mark.parametrize("form", ["key", "list"])
+def test_key_map_naming_an_absent_key_is_an_error(tmp_path, form):
+    # A key the user names is checked whether it comes alone or in a list, and nothing is read.
+    state = _fused_state()
+    write_safetensors(tmp_path / "model.safetensors", state)
+    typo = "m.experts.down_prj"
+    value = typo if form == "key" else [typo] + [f"d{i}" for i in range(4)]
+    model = _fused_model()
+    with pytest.raises(
+        LoadError, match=rf"missing key '{typo}' \(key_map for 'm.experts.down_proj'\)"
+    ):
+        load_sharded(model, tmp_path, key_map={"m.experts.down_proj": value})
+    assert all(torch.all(t == 0) for t in _state(model).values())
+
+
+def test_per_expert_keys_of_an_experts_module_at_the_top(tmp_path):
+    # A bare experts module (names `experts.gate_up_proj`, no prefix) finds `experts.{i}....` keys.
+    state = _fused_state()
+    keys = {}
+    for i in range(5):
+        gate, up = state["m.experts.gate_up_proj"][i].chunk(2)
+        keys |= {f"experts.{i}.gate_proj.weight": gate, f"experts.{i}.up_proj.weight": up}
+        keys[f"experts.{i}.down_proj.weight"] = state["m.experts.down_proj"][i]
+    write_safetensors(tmp_path / "model.safetensors", keys)
+    model = _fused_model().m
+    del model.norm
+    report = load_sharded(model, tmp_path)
+    assert torch.equal(model.experts.gate_up_proj, state["m.experts.gate_up_proj"])
+    assert torch.equal(model.experts.down_proj, state["m.experts.down_proj"])
+    assert report.missing == [] and report.unused_keys == []
 
 
 def test_progress_bar_flag(tmp_path, capsys):
@@ -375,6 +413,8 @@ def _valid_raw(tmp_path):
         ("bad_json", r"header is not valid JSON"),
         ("unknown_dtype", r"'x': unknown dtype 'F33'"),
         ("short_file", r"truncated file"),
+        ("metadata_not_strings", r"__metadata__ must be an object of strings"),
+        ("metadata_a_list", r"__metadata__ must be an object of strings"),
     ],
 )
 def test_error_corrupt_files(tmp_path, case, match):
@@ -400,6 +440,11 @@ def test_error_corrupt_files(tmp_path, case, match):
         raw_safetensors(path, header, data)
     elif case == "short_file":
         path.write_bytes(b"\x01\x00")
+    elif case.startswith("metadata"):
+        header["__metadata__"] = (
+            {"format": "pt", "epoch": 3} if case == "metadata_not_strings" else []
+        )
+        raw_safetensors(path, header, data)
     _expect(match, _fused_model(), path)
     _expect(str(path.name), _fused_model(), path)
 

@@ -30,7 +30,8 @@ from grouped_ep.loading.safetensors import Checkpoint
 KeyMap = Callable[[str], "str | Sequence[str | Sequence[str]] | None"]
 
 
-_EXPERT_PARAM = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>[^.]+)$")
+# `experts.<proj>` at any depth, the model's top level included (a bare MoE layer).
+_EXPERT_PARAM = re.compile(r"^(?P<prefix>(?:.+\.)?experts)\.(?P<proj>[^.]+)$")
 # (key, offset in the model tensor, shape there, key's shape[, corner in the key and the key dim
 # each model dim follows, when the piece is only part of the key or the key is transposed[, the
 # shape the key is read as, when that is a view of it with one dim split in two]])
@@ -334,6 +335,8 @@ def _user_layout(name: str, shape: tuple[int, ...], value: object, ckpt: Checkpo
     stacked on a new dim 0 (one per index of dim 0) or concatenated on dim 0."""
     nd = len(shape)
     if isinstance(value, str):
+        if value not in ckpt:
+            raise LoadError(f"{ckpt.root}: missing key {value!r} (key_map for {name!r})")
         return [(value, (0,) * nd, shape, shape)]
     if not isinstance(value, Sequence):
         raise LoadError(f"key_map({name!r}) returned {value!r}; expected a key or a list of keys")

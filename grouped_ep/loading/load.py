@@ -50,7 +50,8 @@ class LoadReport:
     files_opened: files this rank read data from (every header is parsed: `headers_parsed`).
     unused_keys: checkpoint keys no model tensor maps to. Keys of experts or rows owned by
         other ranks are used, just not read here.
-    missing: model tensors (first name) with no checkpoint key; they are left untouched.
+    missing: model tensors (first name) with no checkpoint key (only with strict=False); they
+        are left untouched.
     """
 
     bytes_read: int
@@ -148,8 +149,9 @@ def load_sharded(
             concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule.
         threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
         progress: a progress bar on stderr: None shows it on a TTY only.
-        strict: a parameter or persistent buffer of a meta model with no checkpoint key is an
-            error naming the keys (else it stays on meta and is listed in `report.missing`).
+        strict: a parameter or persistent buffer with no checkpoint key is an error naming
+            them, before anything is read (as `load_state_dict(strict=True)`). False: they are
+            listed in `report.missing` and left as they are (on meta, or with their values).
         dequantize: when `config.json` next to the checkpoint has a `quantization_config`
             (quant_method "fp8" with `weight_block_size`, DeepSeek-V3; or "mxfp4", gpt-oss),
             quantized tensors are read with the scale blocks covering this rank's part and
@@ -202,13 +204,14 @@ def load_sharded(
             continue
         plan_target(target, file_ids, device)
         todo.append(target)
-    left_on_meta = [t.name for t in targets if not t.pieces and t.tensor.is_meta]
-    if strict and left_on_meta:
-        shown = ", ".join(left_on_meta[:20]) + (" ..." if len(left_on_meta) > 20 else "")
+    if strict and missing:
+        on_meta = sum(t.tensor.is_meta for t in targets if not t.pieces)
+        shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise LoadError(
-            f"{ckpt.root}: no checkpoint key for {len(left_on_meta)} tensor(s) of the meta model, "
-            f"which would stay on meta: {shown}. Pass key_map= to name their keys, or "
-            "strict=False to load the rest and keep them on meta."
+            f"{ckpt.root}: no checkpoint key for {len(missing)} tensor(s) of the model "
+            f"({on_meta} of them on meta): {shown}. Pass key_map= to name their keys, or "
+            "strict=False to load the rest and list these in report.missing (left as they are: "
+            "on meta, or with their current values)."
         )
     buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
 

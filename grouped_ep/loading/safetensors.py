@@ -124,9 +124,12 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
 
     data_start = 8 + n
     data_size = size - data_start
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise LoadError(f"{path}: __metadata__ must be an object of strings")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    # As the safetensors format (and its own reader) has it: a map of strings to strings.
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise LoadError(f"{path}: __metadata__ must be an object of strings, got {metadata!r:.80}")
     tensors: dict[str, TensorEntry] = {}
     spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
