@@ -161,14 +161,24 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: the elements of the outermost ModuleLists that
-    hold experts (a transformer's layers, dense layers between MoE layers included)."""
+    hold experts (a transformer's layers, dense layers between MoE layers included). An element
+    that is itself a ModuleList or ModuleDict (no forward, which `fully_shard` refuses) gives its
+    elements instead, at any depth."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()
+
+    def add(module: nn.Module) -> None:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            for child in module.children():
+                add(child)
+        elif not is_experts_module(module):  # those are sharded on their own, over "dp"
+            blocks.append(module)
+
     for module in model.modules():
         if id(module) in inside or not isinstance(module, nn.ModuleList):
             continue
         if any(is_experts_module(m) for m in module.modules()):
-            blocks.extend(module)
+            add(module)
             inside.update(id(m) for m in module.modules())
     return blocks
 
@@ -228,6 +238,7 @@ def fully_shard_moe(
     # lacks: on CPU, sum and then divide instead.
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
+    blocks = _blocks(model)
     for module in experts:  # before anything changes
         _refuse_shared_direct_params(module, names[id(module)])
     for module in experts:
@@ -241,7 +252,7 @@ def fully_shard_moe(
         # (once in the single-rank copy, once as the post-divide): force only when dp > 1.
         if sum_only and dp > 1:
             module.set_force_sum_reduction_for_comms(True)
-    for block in _blocks(model):
+    for block in blocks:
         fully_shard(block, mesh=flat_mesh, **kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     return model

@@ -309,3 +309,42 @@ def test_load_sharded_then_fully_shard_keeps_each_ranks_experts(tmp_path):
         with torch.no_grad():
             ref_loss = lm_loss(model, batches(world, 1)[0].reshape(-1, 9)).item()
         assert abs(loss - ref_loss) <= TOL
+
+
+# ---- layers inside containers without forward ----------------------------------------------------
+
+
+class DictLayersLM(TinyMoELM):
+    """TinyMoELM with each block inside a ModuleDict, which `fully_shard` refuses to wrap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"block": b}) for b in self.layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer["block"](x)
+        return self.head(self.norm(x))
+
+
+def _dict_layers_rank(rank: int, world: int):
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    torch.manual_seed(0)
+    model = fully_shard_moe(DictLayersLM(), make_mesh(1, world))
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    with torch.no_grad():
+        return plain, lm_loss(model, batches(1, 1)[0][0]).item()
+
+
+def test_fully_shard_moe_shards_blocks_inside_containers():
+    # The blocks inside each ModuleDict are sharded one by one; the model computes as before.
+    torch.manual_seed(0)
+    ref = DictLayersLM()
+    with torch.no_grad():
+        ref_loss = lm_loss(ref, batches(1, 1)[0][0]).item()
+    for plain, loss in run_ranks(_dict_layers_rank, 2, timeout=TIMEOUT):
+        assert plain == [] and abs(loss - ref_loss) <= TOL
