@@ -5,8 +5,8 @@
 // few large ones both keep every core busy. Inside a task one GEMM call does the FLOPs; inside
 // at::parallel_for BLAS and ATen run single-threaded, so there is no oversubscription. Which GEMM
 // (at::mm, or this project's own AVX-512, AMX or AVX2 kernel) is chosen per (dtype, CPU) by
-// gemm_plan.h. The own AVX-512 kernel prefetches the next task's operands while it computes
-// (`run_tasks` tells each task which one its thread runs next).
+// gemm_plan.h. The own AVX-512 and AVX2 kernels prefetch the next task's operands while they
+// compute (`run_tasks` tells each task which one its thread runs next).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>

@@ -138,11 +138,13 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
     b.p = Pool::map(b.bytes);
     TORCH_CHECK(b.p != nullptr, "gemm: could not allocate ", b.bytes, " bytes for the output");
   }
-  // A resizable storage like at::empty's (a resize past the block goes to the CPU allocator);
-  // the block returns to the pool when the storage lets go of it.
+  // A resizable storage like at::empty's (a resize goes to the CPU allocator), of the bytes
+  // asked for: a block may be larger (rounded up, or reused), and what lies past the output
+  // (an earlier output's values) is not part of it, e.g. for torch.save. The whole block returns
+  // to the pool when the storage lets go of it.
   auto* held = new Block(b);
   c10::DataPtr data(b.p, held, &give_back, at::Device(at::kCPU));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), b.bytes, std::move(data), c10::GetCPUAllocator(), true);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), want, std::move(data), c10::GetCPUAllocator(), true);
   return at::empty({0}, options).set_(storage, 0, sizes);
 }
 
