@@ -164,6 +164,40 @@ def test_model_that_does_not_fit_is_named(saved: Path) -> None:
         ck.load(saved, model)
 
 
+def test_damaged_extra_or_manifest_is_named_before_anything_is_read(saved: Path) -> None:
+    (saved / "extra-rank00000.pt").write_bytes(b"garbage")
+    _load_fails(saved, "extra-rank00000.pt", "cannot read")
+    (saved / "extra-rank00000.pt").unlink()
+    _load_fails(saved, "extra-rank00000.pt", "is missing")
+    (saved / "grouped_ep.json").write_text("{not json")
+    _load_fails(saved, "grouped_ep.json", "cannot read")
+
+
+def test_checkpoint_keys_the_model_lacks_are_refused(tmp_path: Path) -> None:
+    # A layer or buffer saved but missing from the resumed model (e.g. an expert bias the new
+    # run no longer has) is named, as load_state_dict(strict=True) would; nothing is loaded.
+    model, opt = _trained()
+    model.register_buffer("expert_bias", torch.ones(4))
+    ck.save(tmp_path, model, opt, step=1)
+    fresh, fresh_opt = _trained(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(
+        ck.CheckpointError, match=r"1 key\(s\) the model has no place for: model.expert_bias"
+    ):
+        ck.load(tmp_path, fresh, fresh_opt)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    # Optimizer state of a parameter the model lacks, the model's own keys all present.
+    bigger, bigger_opt = _trained()
+    bigger.extra = nn.Parameter(torch.ones(3))
+    bigger_opt.add_param_group({"params": [bigger.extra]})
+    bigger.extra.grad = torch.ones(3)
+    bigger_opt.step()
+    ck.save(tmp_path / "b", bigger, bigger_opt, step=1)
+    del bigger.extra
+    with pytest.raises(ck.CheckpointError, match=r"optim.state.extra.exp_avg"):
+        ck.load(tmp_path / "b", bigger, torch.optim.AdamW(bigger.parameters(), lr=0.1))
+
+
 def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
     """A parameter that never had a gradient has no AdamW state when saved; it resumes stateless
     while the others get their state back. Part of a parameter's state missing is a mismatch."""
@@ -189,6 +223,22 @@ def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
     (tmp_path / "step-00000001" / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(ck.CheckpointError, match="optim.state.dense.weight.exp_avg_sq"):
         ck.load(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+
+
+def test_save_clears_saves_that_died_and_refuses_bool_arguments(tmp_path: Path) -> None:
+    model, opt = _trained()
+    ck.save(tmp_path, model, opt, step=1)
+    died = tmp_path / ".tmp-step-00000002"  # a save of another step that died midway
+    died.mkdir()
+    (died / "__0_0.distcp").write_bytes(b"half")
+    ck.save(tmp_path, model, opt, step=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000003"]
+    with pytest.raises(ck.CheckpointError, match="keep_last must be a positive int"):
+        ck.save(tmp_path, model, keep_last=True)
+    with pytest.raises(ck.CheckpointError, match="step must be a non-negative int"):
+        ck.save(tmp_path, model, step=True)
+    # extra["step"] that is not an int (a bool) does not name the step: the next one is taken.
+    assert ck.save(tmp_path, model, extra={"step": True}).name == "step-00000004"
 
 
 def test_fresh_optimizer_is_not_stepped_by_save_or_failed_load(tmp_path: Path) -> None:

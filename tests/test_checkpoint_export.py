@@ -100,3 +100,20 @@ def test_a_failed_export_leaves_no_index(tmp_path: Path, monkeypatch) -> None:
         ck.export_hf(model, out, max_shard_size="10KB")
     # The old index is gone first: the directory no longer claims to be a complete export.
     assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) -> None:
+    # transformers reads `model.safetensors` before an index: an export over a save_pretrained
+    # (or over an export of more shards) must not leave the old weights to be loaded instead.
+    out = tmp_path / "hf"
+    tiny_qwen3_moe(seed=1).save_pretrained(str(out))
+    assert (out / "model.safetensors").is_file()
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    (out / "notes.txt").write_text("kept")
+    ck.export_hf(tiny_qwen3_moe(seed=0), out, max_shard_size="10KB")
+    assert not (out / "model.safetensors").exists()
+    assert not (out / "model-00009-of-00009.safetensors").exists()
+    assert (out / "notes.txt").read_text() == "kept"
+    _check_export(out)  # logits of the exported model (seed 0), not of the earlier one
+    with pytest.raises(ck.CheckpointError, match="notes.txt exists and is not a directory"):
+        ck.export_hf(tiny_qwen3_moe(seed=0), out / "notes.txt")

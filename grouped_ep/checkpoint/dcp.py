@@ -151,6 +151,34 @@ def _check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
 
 
+def _unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the checkpoint's model tensors (and, when an optimizer is
+    loaded, optimizer state) that the model has no place for: a layer or buffer the resumed
+    model lacks (as `load_state_dict(strict=True)` refuses them)."""
+    model_keys = {f"model.{k}" for k in state["model"]}
+    params = set()
+    if "optim" in state:
+        params = {
+            f"optim.state.{fqn}" for g in state["optim"]["param_groups"] for fqn in g["params"]
+        }
+
+    def under(key: str, names: set[str]) -> bool:  # a name, or a value nested in one (DCP
+        parts = key.split(".")  # flattens nested dicts into dotted keys)
+        return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+
+    extra = []
+    for key in info.metadata.state_dict_metadata:
+        if key.startswith("model.") and not under(key, model_keys):
+            extra.append(key)
+        elif "optim" in state and key.startswith("optim.state.") and not under(key, params):
+            extra.append(key)
+    if extra:
+        shown = ", ".join(sorted(extra)[:20]) + (" ..." if len(extra) > 20 else "")
+        raise CheckpointError(
+            f"checkpoint {info.path} has {len(extra)} key(s) the model has no place for: {shown}"
+        )
+
+
 def _stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
     """The parameters that have optimizer state now but none at all in the checkpoint.
 
@@ -174,6 +202,10 @@ def _without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
 
 
 # ---- save / load --------------------------------------------------------------------------------
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python
 
 
 def save(
@@ -212,11 +244,11 @@ def save(
     """
     background.wait_pending("save")
     root = Path(root)
-    if step is None and extra is not None and isinstance(extra.get("step"), int):
+    if step is None and extra is not None and _is_int(extra.get("step")):
         step = extra["step"]
-    if step is not None and (not isinstance(step, int) or step < 0):
+    if step is not None and (not _is_int(step) or step < 0):
         raise CheckpointError(f"save: step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
         raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
 
     def prepare() -> tuple[int, str]:
@@ -225,8 +257,11 @@ def save(
         root.mkdir(parents=True, exist_ok=True)
         s = next_step(root) if step is None else step
         tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
-        if tmp.exists():  # left by a save that died; it was never the latest
-            shutil.rmtree(tmp)
+        # Left by saves that died (of any step; this process has none in flight, see above):
+        # never the latest, never complete.
+        for old in root.glob(f"{TMP_PREFIX}*"):
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
         tmp.mkdir()
         return s, tmp.name
 
@@ -342,11 +377,15 @@ def _load(
         info = describe(ckpt)
         info.raise_if_invalid()
         manifest_path = ckpt / MANIFEST_FILE
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        try:
+            manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"load: cannot read {manifest_path} ({e})") from e
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
         stateless = _stateless_params(info, current) if optimizer is not None else []
         _check_fits(info, _without(current, stateless))  # global shapes: the same on every rank
+        _unexpected(info, current)
         return str(ckpt), manifest, stateless
 
     ckpt_s, manifest, stateless = on_rank0(check)
@@ -354,8 +393,18 @@ def _load(
     ckpt = Path(ckpt_s)
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
+    # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
+    # them all, before the collective read): a failure changes nothing.
+    extra, error = None, None
     if not extra_file.is_file() and manifest.get("has_extra"):
-        raise CheckpointError(f"load: {extra_file} is missing (the checkpoint had extra state)")
+        error = CheckpointError(f"{extra_file} is missing (the checkpoint had extra state)")
+    elif extra_file.is_file():
+        try:
+            # The checkpoint is trusted as much as DCP's own pickled .metadata is.
+            extra = torch.load(extra_file, weights_only=False)
+        except Exception as e:
+            error = CheckpointError(f"cannot read {extra_file} ({type(e).__name__}: {e})")
+    all_ok(error, "load: reading extra state")
     try:
         with dcp_quiet():
             reader = DirectReader(str(ckpt))  # DCP's reader, one copy for large chunks
@@ -379,10 +428,4 @@ def _load(
             optim_state_dict=current["optim"],
             options=StateDictOptions(strict=not stateless),
         )
-    if not extra_file.is_file():
-        return None
-    try:
-        # The checkpoint is trusted as much as DCP's own pickled .metadata is.
-        return torch.load(extra_file, weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"load: cannot read {extra_file} ({type(e).__name__}: {e})") from e
+    return extra

@@ -262,6 +262,10 @@ def _pack(keys: list[PlannedTensor], limit: int) -> list[list[PlannedTensor]]:
     return files
 
 
+# The weight files of a Hugging Face checkpoint: one file, or shards of an index.
+_HF_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+
+
 def export_hf(
     model: nn.Module, dir: str | os.PathLike, max_shard_size: int | str = "5GB"
 ) -> Path | None:
@@ -275,7 +279,9 @@ def export_hf(
 
     Args:
         model: the model; parameters may be DTensors or plain tensors (the same on every rank).
-        dir: output directory (created).
+        dir: output directory (created). Weight files of an earlier checkpoint there
+            (`model.safetensors`, `model-*-of-*.safetensors`) are replaced: after the new files
+            are in place, those this export did not write are removed.
         max_shard_size: most bytes per safetensors file, e.g. "5GB" or an int.
 
     Returns:
@@ -289,6 +295,8 @@ def export_hf(
     index_path = out_dir / INDEX_FILE
 
     def prepare() -> None:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise CheckpointError(f"export_hf: {out_dir} exists and is not a directory")
         out_dir.mkdir(parents=True, exist_ok=True)
         index_path.unlink(missing_ok=True)  # an old index must not describe a half-new export
 
@@ -320,6 +328,13 @@ def export_hf(
     all_ok(None, f"export_hf: renaming the files in {out_dir}")
 
     def write_index() -> Path:
+        # Weight files of an earlier export (or a save_pretrained) into this directory go: the
+        # single-file `model.safetensors`, which transformers reads before any index, and shards
+        # this export did not write.
+        ours = {f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)}
+        for old in out_dir.iterdir():
+            if old.name not in ours and _HF_WEIGHTS.fullmatch(old.name):
+                old.unlink()
         weight_map = {}
         for r, files in enumerate(per_rank):
             start = sum(len(f) for f in per_rank[:r])

@@ -106,7 +106,8 @@ def commit_step(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) ->
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove all but the `keep_last` newest complete steps; never the one `latest` names.
+    """Remove all but the `keep_last` complete steps of the highest step numbers; never the one
+    `latest` names.
 
     Each removed directory is first renamed to a `.tmp-` name (one atomic step), so a crash
     while deleting never leaves a half-deleted `step-N` that looks complete. Returns the
