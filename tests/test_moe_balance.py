@@ -83,7 +83,7 @@ def test_aux_loss_matches_hand_written_reference(top_k):
 
 @pytest.mark.parametrize("scale", [1.0, 0.25], ids=["scale1", "scale_quarter"])
 def test_moe_aux_loss_value_and_gradient_match_reference(scale):
-    """The output's backward adds scale * coef * d(aux)/d(params), exactly as an explicit loss
+    """The backward adds scale * coef * d(aux)/d(params), exactly as an explicit loss
     term (`set_aux_loss_scale`, e.g. 1/N for N accumulated micro-batches)."""
     coef = 0.37
     moe, d = skewed_moe(aux_loss_coef=coef)
@@ -223,5 +223,46 @@ def test_local_dispatcher_groups_by_expert_and_combines_with_weights():
 def test_bad_balancing_arguments_are_named():
     with pytest.raises(ValueError, match="aux_loss_coef"):
         MoE(8, 8, 4, 2, aux_loss_coef=-1.0)
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        MoE(8, 8, 4, 2, aux_loss_coef=float("nan"))
     with pytest.raises(ValueError, match="expert_bias_gamma"):
         MoE(8, 8, 4, 2, expert_bias_gamma=0.0)
+    with pytest.raises(ValueError, match="expert_bias_gamma"):
+        MoE(8, 8, 4, 2, expert_bias_gamma=float("nan"))
+    for top_k in (1.5, True, 0, 5):
+        with pytest.raises(ValueError, match="top_k must be an int"):
+            MoE(8, 8, 4, top_k)
+    with pytest.raises(ValueError, match="scale"):
+        set_aux_loss_scale(MoE(8, 8, 4, 2), float("nan"))
+
+
+def test_output_with_aux_loss_may_be_changed_in_place():
+    # The aux gradient rides on the routing weights: model code may scale or add to the output
+    # in place (`out *= routed_scaling_factor`), and gets the same gradients as out of place.
+    moe, d = skewed_moe(aux_loss_coef=0.1)
+    moe.double()
+    other = copy.deepcopy(moe)
+    x = (torch.randn(12, 16) + d).double()
+    y = moe(x)
+    y.mul_(2.0).add_(x)
+    y.sum().backward()
+    (other(x) * 2.0 + x).sum().backward()
+    for (name, p), q in zip(moe.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=0, msg=name)
+
+
+def test_expert_bias_stays_fp32_when_the_model_is_cast():
+    # Steps of gamma = 1e-3 around 0.75 vanish in bf16 (its spacing there is 2^-8): the bias is
+    # kept fp32 through .to(dtype) and the update runs in fp32.
+    moe = MoE(16, 8, 4, 2, expert_bias_gamma=1e-3).to(torch.bfloat16)
+    assert moe.expert_bias.dtype == torch.float32 and moe.router.weight.dtype == torch.bfloat16
+    moe.expert_bias.copy_(torch.tensor([0.75, 0.0, 0.0, 0.0]))
+    for _ in range(20):
+        moe._load_counts = torch.tensor([0, 10, 10, 10])
+        update_expert_bias(moe)
+    expect = torch.tensor([0.75, 0.0, 0.0, 0.0]) + 20 * torch.tensor([1e-3, -1e-3, -1e-3, -1e-3])
+    torch.testing.assert_close(moe.expert_bias, expect, atol=1e-6, rtol=0)
+    moe.double()
+    assert moe.expert_bias.dtype == torch.float32
+    torch.testing.assert_close(moe.expert_bias, expect, atol=1e-6, rtol=0)
+    moe(torch.randn(5, 16, dtype=torch.float64))  # still runs in the model's dtype

@@ -14,6 +14,7 @@ auxiliary-loss-free expert bias.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +59,15 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
 
 
 class _AddAuxLossGrad(torch.autograd.Function):
-    """Identity on `out`; backward also sends `coef` into `aux_loss`, as if `coef * aux_loss`
-    had been added to whatever loss is backpropagated through `out`."""
+    """A copy of `out`; backward also sends `coef` into `aux_loss`, as if `coef * aux_loss` had
+    been added to whatever loss is backpropagated through `out`. (A copy, not `out` itself: an
+    input returned as it is becomes a view that autograd forbids changing in place.)"""
 
     @staticmethod
     def forward(ctx, out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
         ctx.coef = coef
         ctx.save_for_backward(aux_loss)
-        return out.view_as(out)
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -74,21 +76,21 @@ class _AddAuxLossGrad(torch.autograd.Function):
 
 
 def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
-    """`out`, unchanged, whose backward also backpropagates `coef * aux_loss`."""
+    """`out`'s values, whose backward also backpropagates `coef * aux_loss`."""
     return _AddAuxLossGrad.apply(out, aux_loss, coef)
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Scale the aux-loss gradient of every `MoE` of `model` by `scale` (default 1).
 
-    The aux loss reaches the gradient through the backward of each MoE output, so it does not
-    see how the training loop scales the loss. With gradient accumulation over N micro-batches
+    The aux loss reaches the gradient through the backward of each MoE's routing weights, so it
+    does not see how the training loop scales the loss. With gradient accumulation over N micro-batches
     whose losses are divided by N, set `scale = 1 / N` (likewise for a loss scaler's factor),
     so that the aux term is averaged like the loss. Data-parallel and EP ranks need nothing:
     FSDP averages the gradients, aux terms included.
     """
-    if scale < 0:
-        raise ValueError(f"set_aux_loss_scale: scale must be >= 0, got {scale}")
+    if not scale >= 0 or math.isinf(scale):  # NaN fails the first test
+        raise ValueError(f"set_aux_loss_scale: scale must be finite and >= 0, got {scale}")
     for module in model.modules():
         if hasattr(module, "aux_loss_grad_scale"):
             module.aux_loss_grad_scale = float(scale)
@@ -119,6 +121,6 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for layer, load in zip(layers, counts):
-        load_f = load.to(layer.expert_bias.dtype)
+        load_f = load.to(torch.float32)
         layer.expert_bias.add_(layer.expert_bias_gamma * torch.sign(load_f.mean() - load_f))
     return counts

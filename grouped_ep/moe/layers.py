@@ -179,12 +179,16 @@ class MoE(nn.Module):
         dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if aux_loss_coef < 0:
-            raise ValueError(f"MoE: aux_loss_coef must be >= 0, got {aux_loss_coef}")
-        if expert_bias_gamma is not None and expert_bias_gamma <= 0:
-            raise ValueError(f"MoE: expert_bias_gamma must be > 0 or None, got {expert_bias_gamma}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
+        if not 0 <= aux_loss_coef < math.inf:  # NaN fails too
+            raise ValueError(f"MoE: aux_loss_coef must be finite and >= 0, got {aux_loss_coef}")
+        if expert_bias_gamma is not None and not 0 < expert_bias_gamma < math.inf:
+            raise ValueError(
+                f"MoE: expert_bias_gamma must be finite and > 0, or None, got {expert_bias_gamma}"
+            )
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.num_experts = num_experts
@@ -201,6 +205,17 @@ class MoE(nn.Module):
         # Training forwards' tokens per expert since the last bias update. Not a buffer: it is
         # per-rank bookkeeping, never saved, and created where the tokens are.
         self._load_counts: Tensor | None = None
+
+    def _apply(self, fn, recurse=True):
+        # `expert_bias` stays fp32 through `.to(dtype)`, `.bfloat16()`, ...: its steps of gamma
+        # (1e-3) would round away in bf16 near its values. Devices still follow `fn`.
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        new = self._buffers.get("expert_bias")
+        if bias is not None and new is not None and new.dtype != torch.float32:
+            exact = bias if bias.dtype == torch.float32 and not bias.is_meta else new
+            self._buffers["expert_bias"] = exact.to(device=new.device, dtype=torch.float32)
+        return self
 
     def reset_parameters(self) -> None:
         """Fresh router and experts (nn.Linear's init) and a zero expert bias, e.g. after
@@ -232,6 +247,19 @@ class MoE(nn.Module):
         logits, weights, expert_ids = route(
             x, self.router.weight, self.top_k, self.norm_topk_prob, expert_bias=bias
         )
+        aux_loss = None
+        if self.aux_loss_coef > 0:
+            counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+            dtype = torch.promote_types(logits.dtype, torch.float32)  # as `route`'s softmax
+            aux_loss = load_balancing_loss(
+                torch.softmax(logits, -1, dtype=dtype), counts, self.top_k
+            )
+            if torch.is_grad_enabled():
+                # On the routing weights, which every output element's gradient passes through
+                # (not on the output, which model code may change in place).
+                coef = self.aux_loss_coef * self.aux_loss_grad_scale
+                weights = add_aux_loss_grad(weights, aux_loss, coef)
+            aux_loss = aux_loss.detach()
         routing = Routing.from_topk(expert_ids, weights, self.num_experts)
         if self.training and bias is not None:
             with torch.no_grad():
@@ -243,14 +271,6 @@ class MoE(nn.Module):
             dispatcher = default_dispatcher(self.experts.ep_mesh)
         local_x, offs, handle = dispatcher.dispatch(x, routing)
         out = dispatcher.combine(self.experts(local_x, offs), handle).view(shape)
-        aux_loss = None
-        if self.aux_loss_coef > 0:
-            probs = torch.softmax(logits, dim=-1, dtype=weights.dtype)
-            aux_loss = load_balancing_loss(probs, routing.counts, self.top_k)
-            if torch.is_grad_enabled():
-                coef = self.aux_loss_coef * self.aux_loss_grad_scale
-                out = add_aux_loss_grad(out, aux_loss, coef)
-            aux_loss = aux_loss.detach()
         if return_router_outputs:
             return out, RouterOutput(logits, routing.counts, aux_loss)
         return out
