@@ -37,7 +37,23 @@ def _check(args: argparse.Namespace) -> int:
     import grouped_ep
     from grouped_ep.selfcheck import format_rows, run_checks
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        print(f"error: --device {args.device!r}: {e}", file=sys.stderr)
+        return 2
+    if device.type not in ("cpu", "cuda"):
+        print(f"error: --device {args.device!r}: only cpu and cuda devices", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not (
+        torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    ):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(
+            f"error: --device {args.device!r}: this machine has {have} CUDA device(s)",
+            file=sys.stderr,
+        )
+        return 2
     print(grouped_ep.backend_info())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, device {device} ({name})\n")

@@ -125,6 +125,18 @@ def test_check_command_on_cpu(capsys):
     assert "all 9 checks passed" in out
 
 
+def test_check_command_names_a_bad_device(capsys):
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on none)
+    for device, message in (
+        ("foo", "--device 'foo'"),
+        ("meta", "only cpu and cuda"),
+        (missing, "CUDA device(s)"),
+    ):
+        assert main(["check", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+
+
 def test_check_rows_measure_real_errors():
     rows = selfcheck.run_checks(torch.device("cpu"))
     assert {(r.dtype, r.layout) for r in rows} == {

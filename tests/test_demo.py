@@ -49,3 +49,26 @@ def test_demo_end_to_end_short(tmp_path):
         assert len(counts) == 3 and all(len(c) == 8 for c in counts)
         assert all(sum(c) == steps * GLOBAL_BATCH * SEQ * 2 for c in counts), (phase, counts)
     assert (out / "hf_export" / "model.safetensors.index.json").exists()
+
+
+def test_demo_out_replaces_only_what_the_demo_made(tmp_path):
+    # `--out` is emptied at the start: a directory holding anything else (the user's checkpoint
+    # above all) is refused before anything is deleted.
+    from grouped_ep.demo.__main__ import _MARK, _fresh_out
+
+    mine = tmp_path / "work"
+    (mine / "hf").mkdir(parents=True)
+    (mine / "hf" / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(SystemExit, match="holds files the demo did not write"):
+        _fresh_out(mine, None)
+    with pytest.raises(SystemExit, match="is inside --out"):
+        _fresh_out(mine, mine / "hf")
+    assert (mine / "hf" / "model.safetensors").read_bytes() == b"weights"
+    with pytest.raises(SystemExit, match="not a directory"):
+        _fresh_out(mine / "hf" / "model.safetensors", None)
+    demo = tmp_path / "demo"
+    _fresh_out(demo, None)
+    (demo / "summary.json").write_text("{}")
+    (demo / "ckpt").mkdir()
+    _fresh_out(demo, None)  # a directory of an earlier run: replaced
+    assert sorted(p.name for p in demo.iterdir()) == [_MARK]

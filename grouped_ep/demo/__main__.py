@@ -56,12 +56,41 @@ def torchrun(nproc: int, args: list[str], timeout: float) -> None:
         sys.exit(f"demo: torchrun {args[0]} failed with exit code {proc.returncode}")
 
 
+_MARK = ".grouped_ep_demo"  # in every --out the demo made: only such a directory is replaced
+# What a demo run writes into --out (a run from before the mark wrote these only).
+_DEMO_FILES = {_MARK, "hf_initial", "ckpt", "logits.pt", "hf_export", "summary.json"}
+
+
+def _fresh_out(out: Path, checkpoint: Path | None) -> None:
+    """Empty `out` for this run; refuses a directory the demo did not make, or one holding the
+    user's checkpoint (it would be deleted)."""
+    if out.exists() and not out.is_dir():
+        sys.exit(f"demo: --out {out} exists and is not a directory")
+    if checkpoint is not None and checkpoint.resolve().is_relative_to(out.resolve()):
+        sys.exit(f"demo: --checkpoint {checkpoint} is inside --out {out}, which the demo replaces")
+    if out.exists() and not {p.name for p in out.iterdir()} <= _DEMO_FILES:
+        sys.exit(
+            f"demo: --out {out} holds files the demo did not write; name a new or empty directory"
+        )
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / _MARK).write_text("made by python -m grouped_ep.demo; replaced by the next run\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m grouped_ep.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--checkpoint", type=Path, help="your Hugging Face MoE checkpoint directory")
-    ap.add_argument("--out", type=Path, default=Path("demo_out"), help="work directory (replaced)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo_out"),
+        help="work directory: new, empty, or one an earlier demo run made (then replaced)",
+    )
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--resume-world-size", type=int, default=1)
     ap.add_argument(
@@ -82,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     t_start = time.perf_counter()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    _fresh_out(args.out, args.checkpoint)
     if args.checkpoint is None:
         args.checkpoint = make_checkpoint(args.out / "hf_initial")
         files = sorted(p.name for p in args.checkpoint.glob("*.safetensors"))
