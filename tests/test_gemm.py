@@ -119,7 +119,7 @@ def test_large_outputs_come_back_from_the_pool():
     assert smaller.untyped_storage().nbytes() == smaller.nbytes == 590 * 2048 * 4
 
 
-def test_pool_size_env_checked():
+def test_pool_and_populate_env_checked():
     code = (
         "import torch, grouped_ep\n"
         "x = torch.randn(600, 512); w = torch.randn(1, 512, 2048)\n"
@@ -131,7 +131,19 @@ def test_pool_size_env_checked():
     )
     assert run.returncode != 0
     assert "GROUPED_EP_CPU_POOL_MB=lots must be a whole number of MiB" in run.stderr
+    env["GROUPED_EP_CPU_POOL_MB"] = "17592186044416"  # 2^44 MiB: << 20 would wrap to 0
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0 and "must be a whole number of MiB from 0 to" in run.stderr
     env["GROUPED_EP_CPU_POOL_MB"] = "0"  # off: outputs come from at::empty
+    env["GROUPED_EP_CPU_POPULATE"] = "off"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0
+    assert "GROUPED_EP_CPU_POPULATE=off must be 0 (off) or 1" in run.stderr
+    env["GROUPED_EP_CPU_POPULATE"] = "0"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

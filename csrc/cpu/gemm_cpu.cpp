@@ -159,11 +159,14 @@ bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
 // 768 x 512 (12,289 faults, 49 ms; 2 threads, AMD EPYC, 2026-11-24). Populating 48 MiB took
 // 8.1-8.5 ms there against 12.4-13.5 ms for the faults of one write per page, both on 2 threads;
 // populating memory already resident costs 1 ms for 48 MiB, hence the residency check first.
-// GROUPED_EP_CPU_POPULATE=0 turns it off (to measure it).
+// GROUPED_EP_CPU_POPULATE=0 turns it off (to measure it); a value other than 0 or 1 is an error.
 void make_resident(const at::Tensor& out) {
   static const bool enabled = [] {
     const char* v = std::getenv("GROUPED_EP_CPU_POPULATE");
-    return v == nullptr || *v == '\0' || std::strcmp(v, "0") != 0;
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
+    TORCH_CHECK(std::strcmp(v, "0") == 0, "gemm: environment variable GROUPED_EP_CPU_POPULATE=", v,
+                " must be 0 (off) or 1 (on, the default)");
+    return false;
   }();
   constexpr int64_t kMinBytes = 4 << 20, kChunk = 1 << 20;
   const int64_t bytes = static_cast<int64_t>(out.nbytes());

@@ -14,6 +14,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -34,9 +35,12 @@ size_t cap_bytes() {
     const char* v = std::getenv("GROUPED_EP_CPU_POOL_MB");
     if (v == nullptr || *v == '\0') return size_t(1024) << 20;
     char* end = nullptr;
+    errno = 0;
     const long long mb = std::strtoll(v, &end, 10);
-    TORCH_CHECK(end != v && *end == '\0' && mb >= 0, "gemm: environment variable GROUPED_EP_CPU_POOL_MB=", v,
-                " must be a whole number of MiB (0 turns the output pool off)");
+    constexpr long long kMaxMb = 1LL << 30;  // 1 PiB: past it, MiB << 20 could wrap
+    TORCH_CHECK(end != v && *end == '\0' && errno == 0 && mb >= 0 && mb <= kMaxMb,
+                "gemm: environment variable GROUPED_EP_CPU_POOL_MB=", v, " must be a whole number of MiB from 0 to ",
+                kMaxMb, " (0 turns the output pool off)");
     return static_cast<size_t>(mb) << 20;
   }();
   return cap;
