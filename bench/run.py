@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if has_png:
             md.append(f"\n![{suite}]({png.name})\n")
-    base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-    base.with_suffix(".md").write_text("".join(md))
+        # Written after every suite: a run stopped in a later suite keeps the finished ones.
+        base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+        base.with_suffix(".md").write_text("".join(md))
     print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
     return 0
 
