@@ -51,8 +51,8 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
     """
     import torch.distributed as dist
 
-    if dp < 1 or ep < 1:
-        raise ValueError(f"make_mesh: dp and ep must be >= 1, got dp={dp}, ep={ep}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (dp, ep)):
+        raise ValueError(f"make_mesh: dp and ep must be ints >= 1, got dp={dp!r}, ep={ep!r}")
     world = dist.get_world_size()
     if dp * ep != world:
         raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")

@@ -232,7 +232,11 @@ def test_save_clears_saves_that_died_and_refuses_bool_arguments(tmp_path: Path) 
     died.mkdir()
     (died / "__0_0.distcp").write_bytes(b"half")
     ck.save(tmp_path, model, opt, step=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step-00000001",
+        "step-00000003",
+    ]
     with pytest.raises(ck.CheckpointError, match="keep_last must be a positive int"):
         ck.save(tmp_path, model, keep_last=True)
     with pytest.raises(ck.CheckpointError, match="step must be a non-negative int"):

@@ -682,3 +682,32 @@ def test_box_fast_path_equals_index_lists():
     assert nonempty > 500
     # Non-consecutive indices (_StridedShard) have no box: the index-list path plans them.
     assert sf.owned_boxes([np.array([0, 2, 4])], (6,)) is None
+
+
+def test_bad_device_and_threads_are_named_before_anything_is_read(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    with torch.device("meta"):
+        model = _fused_model()
+    missing_gpu = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on none)
+    for device, message in (("meta", "device='meta' cannot hold"), (missing_gpu, "CUDA device")):
+        with pytest.raises(ValueError, match=message):
+            load_sharded(model, tmp_path, device=device)
+    for threads in (2.5, True, 0):
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            load_sharded(model, tmp_path, threads=threads, device="cpu")
+    assert all(t.is_meta for t in model.parameters())
+    # A materialized model ignores `device` (nothing goes there), as documented.
+    report = load_sharded(_fused_model(), tmp_path, device="meta")
+    assert report.tensors_loaded == 3
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, where):
+    state = _fused_state()
+    outside = write_safetensors(tmp_path / "x.safetensors", state)
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    name = "../x.safetensors" if where == "parent" else str(outside)
+    write_index(inner, {k: name for k in state})
+    with pytest.raises(LoadError, match=r"is not a file inside"):
+        load_sharded(_fused_model(), inner)

@@ -348,3 +348,11 @@ def test_fully_shard_moe_shards_blocks_inside_containers():
         ref_loss = lm_loss(ref, batches(1, 1)[0][0]).item()
     for plain, loss in run_ranks(_dict_layers_rank, 2, timeout=TIMEOUT):
         assert plain == [] and abs(loss - ref_loss) <= TOL
+
+
+def test_make_mesh_sizes_must_be_ints():
+    from grouped_ep.parallel import make_mesh
+
+    for dp, ep in ((1.0, 2), (1, True), (0, 2)):
+        with pytest.raises(ValueError, match="dp and ep must be ints >= 1"):
+            make_mesh(dp, ep)

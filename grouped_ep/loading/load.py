@@ -116,6 +116,18 @@ def default_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_device(device: torch.device) -> None:
+    if device.type == "meta":
+        raise ValueError("load_sharded: device='meta' cannot hold the loaded values")
+    if device.type == "cuda" and (
+        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(
+            f"load_sharded: device={str(device)!r}, and this machine has {have} CUDA device(s)"
+        )
+
+
 def load_sharded(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -168,10 +180,11 @@ def load_sharded(
     t0 = time.perf_counter()
     if threads is None:
         threads = default_threads()
-    if threads < 1:
-        raise ValueError(f"load_sharded: threads must be >= 1, got {threads}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"load_sharded: threads must be an int >= 1, got {threads!r}")
     if device is None:
         device = default_device(model)
+    device = torch.device(device)
     ckpt = open_checkpoint(checkpoint)
     quant_cfg = read_quant_config(ckpt)
     if quant_cfg is not None and not dequantize:
@@ -182,6 +195,8 @@ def load_sharded(
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
     targets = _targets(model)
+    if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
+        _check_device(device)
     used: set[str] = set()
     missing, todo, quantized = [], [], []
     with conversions_cached(model):

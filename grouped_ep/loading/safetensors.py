@@ -215,6 +215,12 @@ def _read_index(index_path: Path) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise LoadError(f"{index_path}: index must hold a 'weight_map' of key -> file name")
+    base = index_path.parent.resolve()
+    for key, name in weight_map.items():  # files of this checkpoint only, never a path out of it
+        if Path(name).is_absolute() or not (base / name).resolve().is_relative_to(base):
+            raise LoadError(
+                f"{index_path}: weight_map[{key!r}] = {name!r} is not a file inside {index_path.parent}"
+            )
     return weight_map
 
 
