@@ -14,17 +14,20 @@ a free TCP port on localhost) and one intra-op thread (the CI machine has few co
 called as `fn(rank, world_size, *args)`; its return value must be picklable (tensors included:
 they come back by value). When a rank raises,
 the other ranks are killed and `RankError` is raised with that rank's traceback; when the
-deadline passes, every rank is killed and `TimeoutError` is raised. No rank can outlive the call.
+deadline passes, the unfinished ranks print every thread's stack to stderr, then every rank is
+killed and `TimeoutError` is raised. No rank can outlive the call.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +53,9 @@ def _worker(
     import torch.distributed as dist
 
     os.setpgrp()  # its own process group: killing the group also ends anything it started
+    # On a timeout run_ranks sends SIGUSR1 first: every thread's stack goes to stderr (which
+    # pytest shows with the failure), so a hang says where each rank was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -79,6 +85,17 @@ def _kill_group(p) -> None:
         pass
     if p.is_alive():  # killed before it could call setpgrp: still in our group
         p.kill()
+
+
+def _dump_stacks(procs: list) -> None:
+    """Ask each live rank in `procs` to print its threads' stacks (see `_worker`); wait briefly."""
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(2)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
@@ -113,6 +130,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
                 missing = sorted(set(range(world_size)) - set(values))
+                _dump_stacks([procs[r] for r in missing])
                 raise TimeoutError(
                     f"run_ranks({fn.__name__}): ranks {missing} did not finish within {timeout} s"
                 )
