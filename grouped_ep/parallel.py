@@ -31,11 +31,14 @@ from grouped_ep.moe import GroupedExperts
 
 __all__ = [
     "apply_expert_parallel",
+    "check_mesh",
+    "check_shardable",
     "dense_mesh",
     "experts_modules",
     "fully_shard_moe",
     "is_experts_module",
     "make_mesh",
+    "uses_experts_interface",
 ]
 
 DENSE_DIM = "dp_ep"
@@ -102,23 +105,60 @@ def _is_ep_sharded(param: torch.Tensor, ep_mesh: DeviceMesh) -> bool:
     )
 
 
-def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, prefix: str) -> None:
+def uses_experts_interface(module: nn.Module) -> bool:
+    """A transformers v5 experts module (`@use_experts_implementation`): its forward is the
+    function registered under `config._experts_implementation`."""
+    own = vars(module)  # the attributes the decorator's __init__ sets on every instance
+    return all(k in own for k in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+def check_shardable(model: nn.Module, ep_mesh: DeviceMesh, caller: str) -> list[nn.Module]:
+    """Every experts module of `model`, after checking that EP over `ep_mesh` can shard each one,
+    so that a refusal (raised as `caller: ...`) comes before anything is changed: `num_experts`
+    divisible by the EP degree, stacked weights plain tensors or already EP-sharded on
+    `ep_mesh`."""
     ep = ep_mesh.size()
-    if module.num_experts % ep != 0:
-        raise ValueError(
-            f"apply_expert_parallel: {prefix or 'model'} has num_experts={module.num_experts}, "
-            f"not divisible by the EP degree {ep}"
+    found = []
+    for prefix, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        where = prefix or "model"
+        if module.num_experts % ep != 0:
+            raise ValueError(
+                f"{caller}: {where} has num_experts={module.num_experts}, "
+                f"not divisible by the EP degree {ep}"
+            )
+        for name, param in _expert_params(module):
+            if isinstance(param, DTensor) and not _is_ep_sharded(param, ep_mesh):
+                raise ValueError(
+                    f"{caller}: {where}.{name} is already a DTensor with placements "
+                    f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor"
+                )
+        found.append(module)
+    return found
+
+
+def _require_grouped_ep(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of an EP-sharded transformers experts module: only the `"grouped_ep"`
+    implementation computes on its sharded weights (any other fails deep inside with a mix of
+    tensors and DTensors). Loading and saving work whatever the implementation."""
+    chosen = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if chosen != "grouped_ep":
+        raise RuntimeError(
+            f"{type(module).__name__}: its expert weights are EP-sharded DTensors, but it runs "
+            f"experts_implementation={chosen!r}, which cannot compute on them. Use "
+            "grouped_ep.hf.parallelize(model, mesh), which switches it, or `import "
+            "grouped_ep.hf` and call model.set_experts_implementation('grouped_ep')"
         )
-    local = module.num_experts // ep
+
+
+def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard `module`'s stacked weights over `ep_mesh` (`check_shardable` has passed)."""
+    local = module.num_experts // ep_mesh.size()
     start = ep_mesh.get_local_rank() * local
     for name, param in list(_expert_params(module)):
         if _is_ep_sharded(param, ep_mesh):
             continue
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"apply_expert_parallel: {prefix}.{name} is already a DTensor with placements "
-                f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor"
-            )
         # Slice, don't broadcast: each rank keeps its own experts, and the clone drops the
         # other experts' storage (a view would keep it alive and bloat checkpoints).
         shard = param.detach()[start : start + local].clone()
@@ -127,6 +167,9 @@ def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, prefix: str) -> None:
         )
         setattr(module, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
     module.ep_mesh = ep_mesh
+    if uses_experts_interface(module) and not getattr(module, "_grouped_ep_hooked", False):
+        module.register_forward_pre_hook(_require_grouped_ep)
+        module._grouped_ep_hooked = True
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
@@ -141,12 +184,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             f"apply_expert_parallel: ep_mesh must be 1-D (e.g. mesh['ep']), got "
             f"{ep_mesh.ndim}-D {ep_mesh.mesh_dim_names}"
         )
-    found = False
-    for prefix, module in model.named_modules():
-        if is_experts_module(module):
-            _shard_experts(module, ep_mesh, prefix)
-            found = True
-    if not found:
+    experts = check_shardable(model, ep_mesh, "apply_expert_parallel")
+    for module in experts:
+        _shard_experts(module, ep_mesh)
+    if not experts:
         raise ValueError(
             f"apply_expert_parallel: {type(model).__name__} has no experts module "
             "(GroupedExperts or a module with num_experts, gate_up_proj and down_proj)"
@@ -204,6 +245,19 @@ def _shard_shared_params(module: nn.Module, prefix: str, flat_mesh: DeviceMesh, 
             fully_shard(child, mesh=flat_mesh, **kwargs)
 
 
+def check_mesh(mesh: DeviceMesh, caller: str) -> None:
+    """Raise `caller: ...` unless `mesh` is the 2-D ("dp", "ep") mesh of `make_mesh`."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{caller}: mesh must be the DeviceMesh of make_mesh(dp, ep), got {type(mesh).__name__}"
+        )
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ())[:2] != ("dp", "ep"):
+        raise ValueError(
+            f"{caller}: mesh must be the 2-D ('dp', 'ep') mesh of make_mesh, got "
+            f"{mesh.ndim}-D {mesh.mesh_dim_names}"
+        )
+
+
 def fully_shard_moe(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -220,11 +274,7 @@ def fully_shard_moe(
     holding experts over `"dp_ep"`, and the root over `"dp_ep"`. Afterwards every parameter is a
     DTensor. Returns `model` (now an FSDPModule).
     """
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ())[:2] != ("dp", "ep"):
-        raise ValueError(
-            "fully_shard_moe: mesh must be the 2-D ('dp', 'ep') mesh of make_mesh, got "
-            f"{mesh.ndim}-D {mesh.mesh_dim_names}"
-        )
+    check_mesh(mesh, "fully_shard_moe")
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
     experts = experts_modules(model)
@@ -239,10 +289,11 @@ def fully_shard_moe(
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks = _blocks(model)
-    for module in experts:  # before anything changes
+    check_shardable(model, ep_mesh, "fully_shard_moe")  # before anything changes
+    for module in experts:
         _refuse_shared_direct_params(module, names[id(module)])
     for module in experts:
-        _shard_experts(module, ep_mesh, names[id(module)])
+        _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
         local = module.num_experts // ep
         placement = Shard(0) if local % dp == 0 else Shard(1)

@@ -19,7 +19,7 @@ TOL = 1e-5
 SEQ = 9
 
 
-def make_model(kind: str):
+def make_model(kind: str, experts: int = 4):
     """A tiny model with random weights (seeded), on CPU in fp32."""
     common = dict(
         vocab_size=64,
@@ -33,11 +33,13 @@ def make_model(kind: str):
     )
     if kind == "qwen3_moe":
         config = tiny_qwen3_moe_config(
-            intermediate_size=32, moe_intermediate_size=24, num_experts=4, **common
+            intermediate_size=32, moe_intermediate_size=24, num_experts=experts, **common
         )
         cls = transformers.Qwen3MoeForCausalLM
     elif kind == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)
+        config = transformers.MixtralConfig(
+            intermediate_size=24, num_local_experts=experts, **common
+        )
         cls = transformers.MixtralForCausalLM
     else:
         raise ValueError(kind)
@@ -213,9 +215,24 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     from torch.distributed.tensor import DTensor
 
     from grouped_ep.hf import parallelize
-    from grouped_ep.parallel import make_mesh
+    from grouped_ep.parallel import apply_expert_parallel, make_mesh
 
     mesh = make_mesh(1, world)
+    # Refused before anything changes: the implementation stays as it was.
+    odd = make_model("mixtral", experts=3)
+    odd.set_experts_implementation("eager")
+    with pytest.raises(ValueError, match=r"^parallelize: model\.layers\.0\..*num_experts=3"):
+        parallelize(odd, mesh)
+    assert odd.config._experts_implementation == "eager"
+    assert not any(isinstance(p, DTensor) for p in odd.parameters())
+    # EP-sharded experts on another implementation: loading would work, a forward says why not.
+    eager = make_model("mixtral")
+    eager.set_experts_implementation("eager")
+    apply_expert_parallel(eager, mesh["ep"])
+    with pytest.raises(
+        RuntimeError, match="experts_implementation='eager'.*grouped_ep.hf.parallelize"
+    ):
+        eager(batch(world)[rank])
     out = {}
     for kind in kinds:
         model = make_model(kind)

@@ -31,7 +31,13 @@ from transformers.modeling_utils import PreTrainedModel
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
-from grouped_ep.parallel import experts_modules, fully_shard_moe
+from grouped_ep.parallel import (
+    check_mesh,
+    check_shardable,
+    experts_modules,
+    fully_shard_moe,
+    uses_experts_interface,
+)
 
 __all__ = [
     "IMPLEMENTATION",
@@ -151,15 +157,9 @@ def grouped_ep_experts_forward(
     )
 
 
-def _uses_experts_interface(module: nn.Module) -> bool:
-    # The attributes `@use_experts_implementation`'s __init__ sets on every instance.
-    own = vars(module)
-    return all(k in own for k in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
-
-
 def _check_experts(model: nn.Module) -> None:
     for module in model.modules():
-        if _uses_experts_interface(module):
+        if uses_experts_interface(module):
             check_supported(module)
 
 
@@ -238,6 +238,9 @@ def parallelize(
         raise ValueError(f"parallelize: {type(model).__name__} has no MoE experts module")
     for module in experts:
         check_supported(module)
+    check_mesh(mesh, "parallelize")
+    # Refusals before the implementation is switched: a failed call changes nothing.
+    check_shardable(model, mesh["ep"], "parallelize")
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     for module in experts:
