@@ -461,6 +461,24 @@ def test_own_kernel_long_k_rounds_once(monkeypatch, kernel, dtype, trans_w):
     assert torch.equal(out, gemm_ref(x, w, offs, trans_w).to(dtype))
 
 
+@pytest.mark.parametrize("k,n", [(256, 128), (64, 48), (96, 17), (512, 200)])
+def test_amx_groups_of_few_rows_times_hf_weights(monkeypatch, k, n):
+    # Groups under 128 rows times an [E, N, K] weight run transposed on the AMX kernel (C^T =
+    # W x^T, the weight's rows read in place when K is a multiple of 32): blocks of 1 to 32 rows
+    # and columns, N's last block partial (48, 17, 200). Values in {-1, 0, 1}: exact sums, so
+    # the result equals the fp64 reference rounded once; rows past the groups stay zero.
+    if not _set_path(monkeypatch, "amx", torch.bfloat16):
+        return
+    g = torch.Generator().manual_seed(k + n)
+    sizes = [1, 15, 16, 17, 0, 31, 32, 33, 63, 64, 100, 127, 128, 2]
+    x = torch.randint(-1, 2, (sum(sizes) + 5, k), generator=g).to(torch.bfloat16)
+    w = torch.randint(-1, 2, (len(sizes), n, k), generator=g).to(torch.bfloat16)
+    offs = offsets(sizes)
+    out = grouped_ep.gemm(x, w, offs, trans_w=True)
+    assert torch.equal(out, gemm_ref(x, w, offs, True).to(torch.bfloat16))
+    assert torch.all(out[sum(sizes) :] == 0)
+
+
 def test_half_path_follows_cpu_capability(monkeypatch):
     monkeypatch.delenv("GROUPED_EP_CPU_HALF_GEMM", raising=False)
     flags = torch._C._cpu._get_cpu_capability()
