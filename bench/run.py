@@ -5,8 +5,10 @@
     python bench/run.py --device cpu
 
 Each suite lives in bench/suites/<name>.py and defines `TITLE` and
-`run(device, quick, log) -> list[dict]` (one flat row per case, ratios against baselines measured
-in the same run). Results go to bench/results/<device>-<date>.{json,md} and one PNG per suite.
+`run(device, quick, log, rows) -> list[dict]` (one flat row per case appended to `rows`, ratios
+against baselines measured in the same run). Results go to bench/results/<device>-<date>.{json,md}
+and one PNG per suite, written after every suite; a run stopped with Ctrl-C writes the rows
+finished so far, its suite marked interrupted, and exits with status 130.
 """
 
 from __future__ import annotations
@@ -187,9 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"suites.{suite}")
         print(f"== {suite}: {module.TITLE}", flush=True)
         t0 = time.perf_counter()
-        rows = module.run(
-            args.device, args.quick, lambda msg, s=suite: print(f"[{s}] {msg}", flush=True)
-        )
+        rows: list[dict] = []
+        interrupted = False
+        try:
+            module.run(
+                args.device,
+                args.quick,
+                lambda msg, s=suite: print(f"[{s}] {msg}", flush=True),
+                rows,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"\n[{suite}] interrupted after {len(rows)} rows; writing them", flush=True)
         seconds = time.perf_counter() - t0
         summ = summary(rows)
         report["suites"][suite] = {
@@ -197,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "summary": summ,
             "seconds": seconds,
+            "interrupted": interrupted,
         }
         table = markdown_table(rows)
         print(table)
@@ -204,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{col}: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}")
         png = base.with_name(base.name + f"-{suite}.png")
         has_png = plot(suite, rows, png, f"{module.TITLE} — {name}")
-        md.append(f"\n## {suite}: {module.TITLE}\n\n{table}")
+        stopped = f" (interrupted after {len(rows)} rows)" if interrupted else ""
+        md.append(f"\n## {suite}: {module.TITLE}{stopped}\n\n{table}")
         if summ:
             md.append(
                 "\n"
@@ -219,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every suite: a run stopped in a later suite keeps the finished ones.
         base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
         base.with_suffix(".md").write_text("".join(md))
+        if interrupted:
+            print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')} (interrupted)")
+            return 130
     print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
     return 0
 

@@ -43,3 +43,30 @@ def test_summary_without_dtype_or_pass(run):
     s = run.summary([{"case": "a", "speed_x": 2.0}, {"case": "b", "speed_x": 8.0}])
     assert list(s) == ["speed_x"]
     assert math.isclose(s["speed_x"]["geomean"], 4.0)
+
+
+def test_a_stopped_suite_keeps_its_finished_rows(run, tmp_path, monkeypatch):
+    # Ctrl-C inside a suite: the rows it finished are written, the suite is marked interrupted,
+    # and the run exits with 130 instead of losing them.
+    import json
+    import sys
+    import types
+
+    def stopped_run(device, quick, log, rows):
+        rows.append({"case": "a", "dtype": "float32", "pass": "fwd", "vs_dense_x": 1.5})
+        rows.append({"case": "b", "dtype": "float32", "pass": "fwd", "vs_dense_x": 0.5})
+        raise KeyboardInterrupt
+
+    fake = types.SimpleNamespace(TITLE="fake suite", run=stopped_run)
+    import suites  # noqa: F401  (the real package; its `gemm` module is replaced below)
+
+    monkeypatch.setitem(sys.modules, "suites.gemm", fake)
+    monkeypatch.setattr(run, "plot", lambda *a, **k: False)
+    code = run.main(["--suite", "gemm", "--device", "cpu", "--out", str(tmp_path)])
+    assert code == 130
+    (saved,) = tmp_path.glob("*.json")
+    report = json.loads(saved.read_text())["suites"]["gemm"]
+    assert report["interrupted"] is True
+    assert [r["case"] for r in report["rows"]] == ["a", "b"]
+    assert math.isclose(report["summary"]["vs_dense_x [float32 fwd]"]["geomean"], math.sqrt(0.75))
+    assert "interrupted after 2 rows" in saved.with_suffix(".md").read_text()

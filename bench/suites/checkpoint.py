@@ -208,8 +208,8 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
     }
 
 
-def run(device: str, quick: bool, log) -> list[dict]:
-    rows = []
+def run(device: str, quick: bool, log, rows: list | None = None) -> list[dict]:
+    rows = [] if rows is None else rows  # the runner's list: rows finished so far survive a stop
     for case in QUICK if quick else CASES:
         work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
         try:

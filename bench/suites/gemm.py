@@ -146,7 +146,7 @@ def cpu_paths() -> dict[str, str]:
     }
 
 
-def run(device: str, quick: bool, log) -> list[dict]:
+def run(device: str, quick: bool, log, rows: list | None = None) -> list[dict]:
     if device.startswith("cuda"):
         cases, dtypes, reps = (
             _gpu_cases(quick),
@@ -161,7 +161,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
         log(f"CPU capability (torch): {torch.backends.cpu.get_cpu_capability()}")
         for dtype, path in paths.items():
             log(f"grouped_ep CPU gemm path for {dtype}: {path}")
-    rows = []
+    rows = [] if rows is None else rows  # the runner's list: rows finished so far survive a stop
     plan = [
         (c, r, d, b)
         for c in cases

@@ -304,7 +304,7 @@ def _run_ranks(ctx, world, method, spec, ckpt, device, timeout=300) -> list[dict
     return sorted(out, key=lambda r: r["rank"])
 
 
-def run(device: str, quick: bool, log) -> list[dict]:
+def run(device: str, quick: bool, log, rows: list | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     spec, reps = (QUICK, 1) if quick else (FULL, 3)
@@ -320,7 +320,7 @@ def run(device: str, quick: bool, log) -> list[dict]:
         ]
     )
     tmp = Path(tempfile.mkdtemp(prefix="grouped_ep_loader_bench_"))
-    rows = []
+    rows = [] if rows is None else rows  # the runner's list: rows finished so far survive a stop
     bf16_speed: dict[int, float] = {}
     try:
         t0 = time.perf_counter()

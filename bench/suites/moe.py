@@ -74,14 +74,14 @@ def _step(block, x: torch.Tensor, dy: torch.Tensor):
     return fn
 
 
-def run(device: str, quick: bool, log) -> list[dict]:
+def run(device: str, quick: bool, log, rows: list | None = None) -> list[dict]:
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     cases = GPU_CASES if cuda else CPU_CASES
     if quick:  # two cases at half the tokens, fewer repeats
         cases = [replace(c, tokens=c.tokens // 2) for c in cases[:2]]
     reps = 3 if quick else 10
-    rows = []
+    rows = [] if rows is None else rows  # the runner's list: rows finished so far survive a stop
     for case in cases:
         block = _block(case, device, dtype)
         g = torch.Generator(device=device).manual_seed(1)
