@@ -164,6 +164,23 @@ def test_model_that_does_not_fit_is_named(saved: Path) -> None:
         ck.load(saved, model)
 
 
+def test_a_model_on_meta_is_refused_with_what_to_do(saved: Path) -> None:
+    # DCP copies into a meta tensor as a no-op: the load would "succeed" with nothing loaded.
+    with torch.device("meta"):
+        model = Small()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ck.CheckpointError, match=r"meta device \(experts, dense.weight.*to_empty"):
+        ck.load(saved, model, opt)
+    assert not opt.state  # nothing made or stepped
+    model.to_empty(device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # over the materialized parameters
+    ck.load(saved, model, opt)
+    ref = Small(seed=5)
+    ck.load(saved, ref, torch.optim.AdamW(ref.parameters(), lr=0.1))
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
 def test_damaged_extra_or_manifest_is_named_before_anything_is_read(saved: Path) -> None:
     (saved / "extra-rank00000.pt").write_bytes(b"garbage")
     _load_fails(saved, "extra-rank00000.pt", "cannot read")

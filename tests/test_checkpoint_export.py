@@ -82,7 +82,7 @@ def test_each_rank_writes_its_own_experts_without_gathering_them(tmp_path: Path)
     _check_export(out)
 
 
-def test_a_failed_export_leaves_no_index(tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_export_leaves_the_earlier_export_whole(tmp_path: Path, monkeypatch) -> None:
     from grouped_ep.checkpoint import safetensors_writer
 
     out = tmp_path / "hf"
@@ -96,10 +96,19 @@ def test_a_failed_export_leaves_no_index(tmp_path: Path, monkeypatch) -> None:
             raise OSError("disk full (injected)")
 
     monkeypatch.setattr(safetensors_writer.StreamingSafetensorsWriter, "write", fail_on_third)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(ck.CheckpointError, match="disk full"):
         ck.export_hf(model, out, max_shard_size="10KB")
-    # The old index is gone first: the directory no longer claims to be a complete export.
-    assert not (out / "model.safetensors.index.json").exists()
+    # Nothing of the earlier export changed and no temporary file is left: it still loads.
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    _check_export(out)
+    # A model that cannot be exported at all (still on meta) changes nothing either.
+    with torch.device("meta"):
+        meta = tiny_qwen3_moe(seed=0)
+    with pytest.raises(ck.CheckpointError):
+        ck.export_hf(meta, out, max_shard_size="10KB")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) -> None:
@@ -115,5 +124,8 @@ def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) 
     assert not (out / "model-00009-of-00009.safetensors").exists()
     assert (out / "notes.txt").read_text() == "kept"
     _check_export(out)  # logits of the exported model (seed 0), not of the earlier one
+    # config.json says what save_pretrained's does about the model (vLLM picks the class by it).
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["dtype"] == "float32"
     with pytest.raises(ck.CheckpointError, match="notes.txt exists and is not a directory"):
         ck.export_hf(tiny_qwen3_moe(seed=0), out / "notes.txt")

@@ -187,6 +187,39 @@ def test_qwen3_moe_save_pretrained_into_meta_model(qwen_ckpt):
     assert isinstance(p, nn.Parameter) and p.requires_grad and p.device.type == "cpu"
 
 
+def test_hugging_face_cache_layout_with_symlinked_shards(qwen_ckpt, tmp_path):
+    # snapshot_download's layout: every file of snapshots/<rev>/ is a symlink to ../../blobs/<sha>,
+    # outside the snapshot directory. The index names plain files of the snapshot: it loads.
+    path, ref = qwen_ckpt
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(path))):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes((path / name).read_bytes())
+        (snap / name).symlink_to(f"../../blobs/blob{i}")
+    model = meta_model(tiny_qwen3_moe_config(experts=12))
+    load_sharded(model, snap)
+    state = _state(model)
+    for k, v in ref.items():
+        assert torch.equal(state[k], v), k
+
+
+def test_single_file_beside_an_index_is_read_as_transformers_does(tmp_path):
+    # from_pretrained reads model.safetensors when a directory has both it and an index.
+    from safetensors.torch import save_file
+
+    state = _fused_state()
+    write_index(tmp_path, {k: "s1.safetensors" for k in state})
+    save_file({k: v + 1 for k, v in state.items()}, str(tmp_path / "s1.safetensors"))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = _fused_model()
+    load_sharded(model, tmp_path)
+    for k, v in _state(model).items():
+        assert torch.equal(v, state[k]), k
+
+
 def test_numeric_expert_order(tmp_path):
     """Expert 10 goes to row 10, not after expert 1 (no string sort of expert ids)."""
     e, inter, hidden = 12, 3, 4

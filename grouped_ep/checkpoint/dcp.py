@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep.checkpoint.async_save import AsyncSave
@@ -358,6 +359,7 @@ def load(
             its message says so.
     """
     background.wait_pending("load")
+    _refuse_meta(model)
     fresh = optimizer is not None and not optimizer.state
     try:
         return _load(path, model, optimizer)
@@ -365,6 +367,25 @@ def load(
         if fresh:  # the state made to read into (see `_state`) goes: the optimizer is as it was
             optimizer.state.clear()
         raise
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """A model on meta has no storage to load into (DCP would copy into nothing, silently)."""
+    names = set(model.state_dict(keep_vars=True))
+    on_meta = [
+        n
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if n in names and (t.to_local() if isinstance(t, DTensor) else t).is_meta
+    ]
+    if on_meta:
+        shown = ", ".join(on_meta[:3]) + (
+            f", ... ({len(on_meta)} in all)" if len(on_meta) > 3 else ""
+        )
+        raise CheckpointError(
+            f"load: the model's tensors are on the meta device ({shown}); nothing can be loaded "
+            "into them. Materialize the model first (model.to_empty(device=...), or "
+            "grouped_ep.load_sharded from a Hugging Face checkpoint), then load"
+        )
 
 
 def _load(

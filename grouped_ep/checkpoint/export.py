@@ -32,15 +32,18 @@ comes last (rank 0), so a failed export never looks complete.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -298,7 +301,6 @@ def export_hf(
         if out_dir.exists() and not out_dir.is_dir():
             raise CheckpointError(f"export_hf: {out_dir} exists and is not a directory")
         out_dir.mkdir(parents=True, exist_ok=True)
-        index_path.unlink(missing_ok=True)  # an old index must not describe a half-new export
 
     on_rank0(prepare)
     entries = _plan(model, rank, world)
@@ -317,12 +319,22 @@ def export_hf(
         for i in range(len(per_rank[rank]))
     ]
 
+    # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
+    # readable until every rank has written all of its files, and a failed export removes its
+    # own temporary files and changes nothing else.
     error: Exception | None = None
     try:
         _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
     except Exception as e:
         error = e
-    all_ok(error, f"export_hf: writing {out_dir}")
+    try:
+        all_ok(error, f"export_hf: writing {out_dir}")
+    except CheckpointError:
+        for name in names:
+            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+        raise
+    # From here the earlier index must not describe a half-new export: it goes first.
+    on_rank0(lambda: index_path.unlink(missing_ok=True))
     for name in names:
         os.replace(out_dir / f".tmp-{name}", out_dir / name)
     all_ok(None, f"export_hf: renaming the files in {out_dir}")
@@ -345,12 +357,28 @@ def export_hf(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(str(out_dir))
+            _config_for_export(model, config).save_pretrained(str(out_dir))
         write_text_atomic(index_path, json.dumps(index, indent=2) + "\n")
         return index_path
 
     result = on_rank0(write_index)
     return result if rank == 0 else None
+
+
+def _config_for_export(model: nn.Module, config: Any) -> Any:
+    """A copy of `config` with what `save_pretrained` records about the model itself:
+    `architectures` (the model's class; tools such as vLLM pick the model by it) and `dtype`
+    (its floating parameters' dtype), where the config does not say them already."""
+    config = copy.deepcopy(config)
+    if not getattr(config, "architectures", None):
+        name = type(model).__name__
+        if isinstance(model, FSDPModule) and name.startswith("FSDP"):
+            name = name[len("FSDP") :]  # fully_shard's subclass of the model's own class
+        config.architectures = [name]
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if floating and getattr(config, "dtype", None) is None:
+        config.dtype = floating[0]
+    return config
 
 
 def _write_rank(

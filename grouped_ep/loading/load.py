@@ -149,7 +149,9 @@ def load_sharded(
             tensors are replaced by new ones on `device` with the same DTensor spec and
             requires_grad; materialized tensors are overwritten in place.
         checkpoint: a directory with `model.safetensors.index.json`, a directory with one
-            `.safetensors` file, or a `.safetensors` file.
+            `.safetensors` file, or a `.safetensors` file (a directory holding both
+            `model.safetensors` and the index: `model.safetensors`, as `from_pretrained` does).
+            A Hugging Face cache snapshot (files symlinked to blobs) is read as it is.
         device: where meta tensors are materialized. Default: the device type of the model's
             DTensor meshes (a `cuda` mesh: the current CUDA device), else the current CUDA
             device when there is one, else CPU. Ignored for tensors that are not on meta.
@@ -162,8 +164,12 @@ def load_sharded(
         threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
         progress: a progress bar on stderr: None shows it on a TTY only.
         strict: a parameter or persistent buffer with no checkpoint key is an error naming
-            them, before anything is read (as `load_state_dict(strict=True)`). False: they are
-            listed in `report.missing` and left as they are (on meta, or with their values).
+            them, before anything is read (the missing-key half of
+            `load_state_dict(strict=True)`). False: they are listed in `report.missing` and left
+            as they are (on meta, or with their values). Checkpoint keys the model has no place
+            for are never an error (real checkpoints carry some: DeepSeek-V3's multi-token
+            prediction layer, which transformers ignores too); they are listed in
+            `report.unused_keys`, so check it to catch a model built with the wrong config.
         dequantize: when `config.json` next to the checkpoint has a `quantization_config`
             (quant_method "fp8" with `weight_block_size`, DeepSeek-V3; or "mxfp4", gpt-oss),
             quantized tensors are read with the scale blocks covering this rank's part and

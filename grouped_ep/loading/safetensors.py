@@ -215,9 +215,11 @@ def _read_index(index_path: Path) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise LoadError(f"{index_path}: index must hold a 'weight_map' of key -> file name")
-    base = index_path.parent.resolve()
-    for key, name in weight_map.items():  # files of this checkpoint only, never a path out of it
-        if Path(name).is_absolute() or not (base / name).resolve().is_relative_to(base):
+    # Files of this checkpoint only, never a path out of it. Checked on the name as written, not
+    # on where it resolves: in the Hugging Face cache every file of a snapshot is a symlink to
+    # a blob outside the snapshot directory.
+    for key, name in weight_map.items():
+        if not name or Path(name).is_absolute() or ".." in Path(name).parts:
             raise LoadError(
                 f"{index_path}: weight_map[{key!r}] = {name!r} is not a file inside {index_path.parent}"
             )
@@ -229,16 +231,17 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
 
     `checkpoint` is a directory holding `model.safetensors.index.json` (or another single
     `*.safetensors.index.json`), a directory holding one `.safetensors` file, a `.safetensors`
-    file, or an index file.
+    file, or an index file. A directory holding both `model.safetensors` and the index gives
+    `model.safetensors`, the file transformers' `from_pretrained` reads there.
     """
     path = Path(checkpoint)
     index_path: Path | None = None
     single: Path | None = None
     if path.is_dir():
-        if (path / INDEX_NAME).is_file():
-            index_path = path / INDEX_NAME
-        elif (path / SINGLE_NAME).is_file():
+        if (path / SINGLE_NAME).is_file():
             single = path / SINGLE_NAME
+        elif (path / INDEX_NAME).is_file():
+            index_path = path / INDEX_NAME
         else:
             indexes = sorted(path.glob("*.safetensors.index.json"))
             files = sorted(path.glob("*.safetensors"))
