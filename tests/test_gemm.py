@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grouped_ep
+from grouped_ep.nn import MoE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 DTYPE_IDS = ["fp32", "bf16", "fp16", "fp64"]
@@ -510,3 +511,31 @@ def test_half_path_bad_env_named(monkeypatch):
         RuntimeError, match="GROUPED_EP_CPU_HALF_GEMM=fast must be 'auto', 'native'"
     ):
         grouped_ep.gemm(x, w, offs)
+
+
+def test_autocast_casts_inputs_like_torch_mm():
+    # Inside torch.autocast the op runs in the region's dtype, as torch.mm does: fp32 inputs
+    # (master weights) and a mix of bf16 activations with fp32 weights alike; the gradient
+    # reaches the fp32 weight in fp32 through the recorded cast. fp64 is left alone.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, generator=g, requires_grad=True)
+    w = torch.randn(3, 4, 8, generator=g, requires_grad=True)
+    offs = offsets([3, 0, 6])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_ep.gemm(x, w, offs, trans_w=True)
+        mixed = grouped_ep.gemm(x.detach().to(torch.bfloat16), w, offs, trans_w=True)
+        wide = grouped_ep.gemm(x.double(), w.double(), offs, trans_w=True)
+    want = grouped_ep.gemm(x.detach().bfloat16(), w.detach().bfloat16(), offs, trans_w=True)
+    assert out.dtype == mixed.dtype == torch.bfloat16 and wide.dtype == torch.float64
+    assert torch.equal(out, want) and torch.equal(mixed, want)
+    out.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+    dw = grouped_ep.gemm_wgrad(
+        x.detach().bfloat16(), torch.ones(10, 4, dtype=torch.bfloat16), offs, trans_w=True
+    )
+    assert torch.equal(w.grad, dw.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the MoE layer on autocast activations
+        moe = MoE(8, 16, 4, 2)
+        y = moe(torch.nn.Linear(8, 8)(x.detach()))
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and moe.experts.gate_up_proj.grad.dtype == torch.float32

@@ -130,8 +130,15 @@ def test_bias_update_rule_counts_only_training_forwards():
     moe(x)
     assert update_expert_bias(moe).sum() == 0  # eval forwards are not counted
     moe.train()
-    _, out1 = moe(x, return_router_outputs=True)
-    _, out2 = moe(x[:7], return_router_outputs=True)
+    # Forwards in training mode that cannot train (an eval or generation callback): not counted,
+    # and an inference-mode one leaves nothing that breaks the next training step.
+    with torch.inference_mode():
+        moe(x)
+    with torch.no_grad():
+        moe(x)
+    y1, out1 = moe(x, return_router_outputs=True)
+    y2, out2 = moe(x[:7], return_router_outputs=True)
+    (y1.sum() + y2.sum()).backward()
     counts = update_expert_bias(moe)
     want = out1.tokens_per_expert + out2.tokens_per_expert
     assert counts.tolist() == [want.tolist()]

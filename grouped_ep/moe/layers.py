@@ -152,7 +152,8 @@ class MoE(nn.Module):
       accumulation (losses divided by N), call `grouped_ep.moe.set_aux_loss_scale(model, 1/N)`.
     - `expert_bias_gamma=gamma`: DeepSeek-V3's auxiliary-loss-free balancing. A buffer
       `expert_bias [E]` (fp32, saved in checkpoints) is added to the probabilities to choose the
-      experts, not to the combine weights. Training forwards count the tokens per expert;
+      experts, not to the combine weights. Training forwards (training mode, autograd on: not
+      under `no_grad` or `inference_mode`) count the tokens per expert;
       `grouped_ep.moe.update_expert_bias(model)` after each optimizer step all-reduces the counts
       of every layer once and moves each bias by `gamma` towards balance.
 
@@ -261,7 +262,10 @@ class MoE(nn.Module):
                 weights = add_aux_loss_grad(weights, aux_loss, coef)
             aux_loss = aux_loss.detach()
         routing = Routing.from_topk(expert_ids, weights, self.num_experts)
-        if self.training and bias is not None:
+        # Only forwards that train count: not one under no_grad or inference_mode (an eval or
+        # generation callback that left the module in training mode), whose counter would
+        # also be an inference tensor that the next training forward cannot add to.
+        if self.training and bias is not None and torch.is_grad_enabled():
             with torch.no_grad():
                 if self._load_counts is None:
                     self._load_counts = torch.zeros_like(routing.counts)
