@@ -85,8 +85,10 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 
     The aux loss reaches the gradient through the backward of each MoE's routing weights, so it
     does not see how the training loop scales the loss. With gradient accumulation over N micro-batches
-    whose losses are divided by N, set `scale = 1 / N` (likewise for a loss scaler's factor),
-    so that the aux term is averaged like the loss. Data-parallel and EP ranks need nothing:
+    whose losses are divided by N, set `scale = 1 / N`, so that the aux term is averaged like
+    the loss. With a loss scaler (`torch.amp.GradScaler`), set `scale = scaler.get_scale() / N`
+    before each backward: the scaler multiplies the loss and later divides every gradient, aux
+    terms included, by its factor. Data-parallel and EP ranks need nothing:
     FSDP averages the gradients, aux terms included.
     """
     if not scale >= 0 or math.isinf(scale):  # NaN fails the first test
