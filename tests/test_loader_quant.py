@@ -282,7 +282,9 @@ def test_integer_parameters_are_refused(tmp_path):
         torch.empty(50, 72, dtype=torch.int8, device="meta"), requires_grad=False
     )
     with pytest.raises(
-        LoadError, match=r"q_a_proj.weight: quantized checkpoint tensors dequantize"
+        LoadError,
+        match=r"q_a_proj.weight: quantized checkpoint tensors \(.*\.safetensors: "
+        r"model.layers.0.self_attn.q_a_proj.weight, torch.float8_e4m3fn\) dequantize",
     ):
         load_sharded(model, tmp_path)
 

@@ -224,9 +224,11 @@ def plan_quant(
     """Fill `target.quant` (a `QuantPlan`), `local_shape`, `device` and `read_dtype`."""
     t = target.tensor
     if t.dtype not in OUT_DTYPES:
+        src = target.pieces[0].entry if target.pieces else None
+        where = f" ({src.path}: {src.key}, {src.dtype})" if src is not None else ""
         raise LoadError(
-            f"{target.name}: quantized checkpoint tensors dequantize into bfloat16, float16 or "
-            f"float32 parameters; this one is {t.dtype}"
+            f"{target.name}: quantized checkpoint tensors{where} dequantize into bfloat16, "
+            f"float16 or float32 parameters; this one is {t.dtype}"
         )
     if t.ndim not in (2, 3):
         raise LoadError(f"{target.name}: quantized tensors must be 2-D or 3-D, got {list(t.shape)}")

@@ -87,8 +87,9 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     does not see how the training loop scales the loss. With gradient accumulation over N micro-batches
     whose losses are divided by N, set `scale = 1 / N`, so that the aux term is averaged like
     the loss. With a loss scaler (`torch.amp.GradScaler`), set `scale = scaler.get_scale() / N`
-    before each backward: the scaler multiplies the loss and later divides every gradient, aux
-    terms included, by its factor. Data-parallel and EP ranks need nothing:
+    at the start of each step: the scaler multiplies the loss and later divides every gradient,
+    aux terms included, by its factor. The scale is read when a forward runs (it is stored with
+    that forward's graph): set it before the forward whose backward it is for. Data-parallel and EP ranks need nothing:
     FSDP averages the gradients, aux terms included.
     """
     if not scale >= 0 or math.isinf(scale):  # NaN fails the first test
