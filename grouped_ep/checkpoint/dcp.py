@@ -41,7 +41,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep.checkpoint.async_save import AsyncSave
@@ -65,7 +63,14 @@ from grouped_ep.checkpoint.collective import (
 )
 from grouped_ep.checkpoint.direct_reader import DirectReader
 from grouped_ep.checkpoint.errors import CheckpointError
-from grouped_ep.checkpoint.inspect import CheckpointInfo, describe
+from grouped_ep.checkpoint.fit import (
+    check_fits,
+    refuse_meta,
+    refuse_unexpected,
+    stateless_params,
+    without,
+)
+from grouped_ep.checkpoint.inspect import describe
 from grouped_ep.checkpoint.layout import (
     MANIFEST_FILE,
     TMP_PREFIX,
@@ -120,86 +125,6 @@ def _state(
         optimizer.state.clear()
         osd = {**osd, "state": {}}
     return {"model": msd, "optim": osd}
-
-
-def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
-    """DCP's flattened key (`model.layer.weight`) -> global shape, for every tensor in `obj`."""
-    out: dict[str, torch.Size] = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj.shape  # a DTensor's .shape is its global shape
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flat_tensor_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
-    """Raise CheckpointError naming every key that is missing or has another shape."""
-    saved = info.metadata.state_dict_metadata
-    problems = []
-    for key, shape in _flat_tensor_shapes(state, "").items():
-        meta = saved.get(key)
-        if meta is None:
-            problems.append(f"{key}: not in the checkpoint")
-        elif not isinstance(meta, TensorStorageMetadata):
-            problems.append(f"{key}: saved as a non-tensor object")
-        elif tuple(meta.size) != tuple(shape):
-            problems.append(
-                f"{key}: checkpoint has global shape {list(meta.size)}, model {list(shape)}"
-            )
-    if problems:
-        shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
-        raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
-
-
-def _unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
-    """Raise CheckpointError naming the checkpoint's model tensors (and, when an optimizer is
-    loaded, optimizer state) that the model has no place for: a layer or buffer the resumed
-    model lacks (as `load_state_dict(strict=True)` refuses them)."""
-    model_keys = {f"model.{k}" for k in state["model"]}
-    params = set()
-    if "optim" in state:
-        params = {
-            f"optim.state.{fqn}" for g in state["optim"]["param_groups"] for fqn in g["params"]
-        }
-
-    def under(key: str, names: set[str]) -> bool:  # a name, or a value nested in one (DCP
-        parts = key.split(".")  # flattens nested dicts into dotted keys)
-        return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
-
-    extra = []
-    for key in info.metadata.state_dict_metadata:
-        if key.startswith("model.") and not under(key, model_keys):
-            extra.append(key)
-        elif "optim" in state and key.startswith("optim.state.") and not under(key, params):
-            extra.append(key)
-    if extra:
-        shown = ", ".join(sorted(extra)[:20]) + (" ..." if len(extra) > 20 else "")
-        raise CheckpointError(
-            f"checkpoint {info.path} has {len(extra)} key(s) the model has no place for: {shown}"
-        )
-
-
-def _stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
-    """The parameters that have optimizer state now but none at all in the checkpoint.
-
-    An optimizer keeps no state for a parameter that has not had a gradient yet (a layer the
-    data never reached, an expert no token picked). Such a parameter is resumed stateless, as
-    it was saved; a parameter with only part of its state saved is a mismatch (`_check_fits`).
-    """
-    saved = info.metadata.state_dict_metadata
-    prefixes = {key.rsplit(".", 1)[0] for key in saved if key.startswith("optim.state.")}
-    own = state.get("optim", {}).get("state", {})
-    return [fqn for fqn in own if f"optim.state.{fqn}" not in prefixes]
-
-
-def _without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
-    if not stateless:
-        return state
-    drop = set(stateless)
-    optim = dict(state["optim"])
-    optim["state"] = {k: v for k, v in optim["state"].items() if k not in drop}
-    return state | {"optim": optim}
 
 
 # ---- save / load --------------------------------------------------------------------------------
@@ -359,7 +284,7 @@ def load(
             its message says so.
     """
     background.wait_pending("load")
-    _refuse_meta(model)
+    refuse_meta(model)
     fresh = optimizer is not None and not optimizer.state
     try:
         return _load(path, model, optimizer)
@@ -367,25 +292,6 @@ def load(
         if fresh:  # the state made to read into (see `_state`) goes: the optimizer is as it was
             optimizer.state.clear()
         raise
-
-
-def _refuse_meta(model: nn.Module) -> None:
-    """A model on meta has no storage to load into (DCP would copy into nothing, silently)."""
-    names = set(model.state_dict(keep_vars=True))
-    on_meta = [
-        n
-        for n, t in [*model.named_parameters(), *model.named_buffers()]
-        if n in names and (t.to_local() if isinstance(t, DTensor) else t).is_meta
-    ]
-    if on_meta:
-        shown = ", ".join(on_meta[:3]) + (
-            f", ... ({len(on_meta)} in all)" if len(on_meta) > 3 else ""
-        )
-        raise CheckpointError(
-            f"load: the model's tensors are on the meta device ({shown}); nothing can be loaded "
-            "into them. Materialize the model first (model.to_empty(device=...), or "
-            "grouped_ep.load_sharded from a Hugging Face checkpoint), then load"
-        )
 
 
 def _load(
@@ -404,13 +310,13 @@ def _load(
             raise CheckpointError(f"load: cannot read {manifest_path} ({e})") from e
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
-        stateless = _stateless_params(info, current) if optimizer is not None else []
-        _check_fits(info, _without(current, stateless))  # global shapes: the same on every rank
-        _unexpected(info, current)
+        stateless = stateless_params(info, current) if optimizer is not None else []
+        check_fits(info, without(current, stateless))  # global shapes: the same on every rank
+        refuse_unexpected(info, current)
         return str(ckpt), manifest, stateless
 
     ckpt_s, manifest, stateless = on_rank0(check)
-    current = _without(current, stateless)  # these parameters resume with no optimizer state
+    current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"

@@ -1,0 +1,114 @@
+"""What `checkpoint.load` checks before it reads anything: a model that can hold the values (not
+on meta), every model key in the checkpoint with its global shape, no checkpoint key the model
+has no place for, and which parameters resume without optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.inspect import CheckpointInfo
+
+
+def refuse_meta(model: nn.Module) -> None:
+    """A model on meta has no storage to load into (DCP would copy into nothing, silently)."""
+    names = set(model.state_dict(keep_vars=True))
+    on_meta = [
+        n
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if n in names and (t.to_local() if isinstance(t, DTensor) else t).is_meta
+    ]
+    if on_meta:
+        shown = ", ".join(on_meta[:3]) + (
+            f", ... ({len(on_meta)} in all)" if len(on_meta) > 3 else ""
+        )
+        raise CheckpointError(
+            f"load: the model's tensors are on the meta device ({shown}); nothing can be loaded "
+            "into them. Materialize the model first (model.to_empty(device=...), or "
+            "grouped_ep.load_sharded from a Hugging Face checkpoint), then load"
+        )
+
+
+def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
+    """DCP's flattened key (`model.layer.weight`) -> global shape, for every tensor in `obj`."""
+    out: dict[str, torch.Size] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj.shape  # a DTensor's .shape is its global shape
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flat_tensor_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
+    """Raise CheckpointError naming every key that is missing or has another shape."""
+    saved = info.metadata.state_dict_metadata
+    problems = []
+    for key, shape in _flat_tensor_shapes(state, "").items():
+        meta = saved.get(key)
+        if meta is None:
+            problems.append(f"{key}: not in the checkpoint")
+        elif not isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key}: saved as a non-tensor object")
+        elif tuple(meta.size) != tuple(shape):
+            problems.append(
+                f"{key}: checkpoint has global shape {list(meta.size)}, model {list(shape)}"
+            )
+    if problems:
+        shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
+
+
+def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the checkpoint's model tensors (and, when an optimizer is
+    loaded, optimizer state) that the model has no place for: a layer or buffer the resumed
+    model lacks (as `load_state_dict(strict=True)` refuses them)."""
+    model_keys = {f"model.{k}" for k in state["model"]}
+    params = set()
+    if "optim" in state:
+        params = {
+            f"optim.state.{fqn}" for g in state["optim"]["param_groups"] for fqn in g["params"]
+        }
+
+    def under(key: str, names: set[str]) -> bool:  # a name, or a value nested in one (DCP
+        parts = key.split(".")  # flattens nested dicts into dotted keys)
+        return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+
+    extra = []
+    for key in info.metadata.state_dict_metadata:
+        if key.startswith("model.") and not under(key, model_keys):
+            extra.append(key)
+        elif "optim" in state and key.startswith("optim.state.") and not under(key, params):
+            extra.append(key)
+    if extra:
+        shown = ", ".join(sorted(extra)[:20]) + (" ..." if len(extra) > 20 else "")
+        raise CheckpointError(
+            f"checkpoint {info.path} has {len(extra)} key(s) the model has no place for: {shown}"
+        )
+
+
+def stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
+    """The parameters that have optimizer state now but none at all in the checkpoint.
+
+    An optimizer keeps no state for a parameter that has not had a gradient yet (a layer the
+    data never reached, an expert no token picked). Such a parameter is resumed stateless, as
+    it was saved; a parameter with only part of its state saved is a mismatch (`check_fits`).
+    """
+    saved = info.metadata.state_dict_metadata
+    prefixes = {key.rsplit(".", 1)[0] for key in saved if key.startswith("optim.state.")}
+    own = state.get("optim", {}).get("state", {})
+    return [fqn for fqn in own if f"optim.state.{fqn}" not in prefixes]
+
+
+def without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
+    if not stateless:
+        return state
+    drop = set(stateless)
+    optim = dict(state["optim"])
+    optim["state"] = {k: v for k, v in optim["state"].items() if k not in drop}
+    return state | {"optim": optim}
