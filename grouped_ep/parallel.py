@@ -19,7 +19,7 @@ against single-process training.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ __all__ = [
     "apply_expert_parallel",
     "check_mesh",
     "check_shardable",
+    "clip_grad_norm_",
     "dense_mesh",
     "experts_modules",
     "fully_shard_moe",
@@ -307,3 +308,57 @@ def fully_shard_moe(
         fully_shard(block, mesh=flat_mesh, **kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     return model
+
+
+def clip_grad_norm_(
+    parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model sharded by `fully_shard_moe` or
+    `grouped_ep.hf.parallelize`, whose gradients are DTensors on two meshes (experts on
+    ("dp", "ep"), the rest on "dp_ep"), which torch's version cannot combine.
+
+    The norm of each mesh's gradients is reduced over that mesh, the total is the same on every
+    rank, and every gradient is scaled in place by `min(1, max_norm / (total + 1e-6))`, as
+    torch does. Call on every rank (collective). Plain tensors (an unsharded model) work too.
+
+    Args:
+        parameters: a module, a tensor, or tensors whose `.grad` are clipped.
+        max_norm: the largest total norm left.
+        norm_type: the p of the p-norm (`float("inf")` for the largest absolute value).
+        error_if_nonfinite: raise when the total norm is nan or inf.
+
+    Returns:
+        The total norm of all the gradients before clipping (a plain 0-d tensor).
+    """
+    if isinstance(parameters, nn.Module):
+        params = list(parameters.parameters())
+    elif isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    else:
+        params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}"
+        )
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device, local.dtype))
+    return total

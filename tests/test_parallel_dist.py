@@ -74,7 +74,9 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[..., 1:].reshape(-1))
 
 
-def train_reference(num_experts: int, world: int, steps: int) -> tuple[list[float], dict, dict]:
+def train_reference(
+    num_experts: int, world: int, steps: int, clip: float | None = None
+) -> tuple[list[float], dict, dict]:
     model = make_model(num_experts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     losses, grads = [], {}
@@ -83,17 +85,23 @@ def train_reference(num_experts: int, world: int, steps: int) -> tuple[list[floa
         loss.backward()
         if not grads:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if clip is not None:
+            grads.setdefault("total_norm", []).append(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            )
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_rank(rank: int, world: int, dp: int, ep: int, configs: list[int], steps: int):
+def _train_rank(
+    rank: int, world: int, dp: int, ep: int, configs: list[int], steps: int, clip: float | None
+):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from grouped_ep.parallel import fully_shard_moe, make_mesh
+    from grouped_ep.parallel import clip_grad_norm_, fully_shard_moe, make_mesh
 
     mesh = make_mesh(dp, ep)
     out = {}
@@ -109,6 +117,8 @@ def _train_rank(rank: int, world: int, dp: int, ep: int, configs: list[int], ste
             loss.backward()
             if not grads:  # the first step's gradients, reduced by FSDP (divide factors!)
                 grads = {n: p.grad.full_tensor() for n, p in params.items()}
+            if clip is not None:  # experts' and dense gradients on two meshes
+                grads.setdefault("total_norm", []).append(clip_grad_norm_(model, clip))
             opt.step()
             opt.zero_grad()
             global_loss = loss.detach().clone()
@@ -129,16 +139,22 @@ def _train_rank(rank: int, world: int, dp: int, ep: int, configs: list[int], ste
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dp,ep,configs",
-    [(1, 2, [4]), (2, 2, [4, 2])],
-    ids=["world2_dp1_ep2", "world4_dp2_ep2_experts4_and_2"],
+    "dp,ep,configs,clip",
+    [(1, 2, [4], None), (2, 2, [4, 2], None), (1, 2, [4], 0.5)],
+    ids=["world2_dp1_ep2", "world4_dp2_ep2_experts4_and_2", "world2_dp1_ep2_clip_grad_norm"],
 )
-def test_fsdp_ep_training_matches_single_process(dp, ep, configs):
+def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip):
     steps, world = 10, dp * ep
-    got = run_ranks(_train_rank, world, dp, ep, configs, steps, timeout=TIMEOUT)[0]
+    got = run_ranks(_train_rank, world, dp, ep, configs, steps, clip, timeout=TIMEOUT)[0]
     for num_experts in configs:
         losses, grads, state, placements = got[num_experts]
-        ref_losses, ref_grads, ref_state = train_reference(num_experts, world, steps)
+        ref_losses, ref_grads, ref_state = train_reference(num_experts, world, steps, clip)
+        if clip is not None:  # grouped_ep.parallel.clip_grad_norm_ against torch's, every step
+            norms, ref_norms = grads.pop("total_norm"), ref_grads.pop("total_norm")
+            torch.testing.assert_close(
+                torch.stack(norms), torch.stack(ref_norms), rtol=1e-5, atol=0
+            )
+            assert max(ref_norms) > clip, "the reference run should clip"
         # Adam hides a gradient scale error; the first step's gradients do not.
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=name)

@@ -67,6 +67,7 @@ from grouped_ep.checkpoint.fit import (
     check_fits,
     refuse_meta,
     refuse_unexpected,
+    refuse_untied,
     stateless_params,
     without,
 )
@@ -285,6 +286,7 @@ def load(
     """
     background.wait_pending("load")
     refuse_meta(model)
+    refuse_untied(model)
     fresh = optimizer is not None and not optimizer.state
     try:
         return _load(path, model, optimizer)

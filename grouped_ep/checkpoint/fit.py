@@ -34,6 +34,25 @@ def refuse_meta(model: nn.Module) -> None:
         )
 
 
+def refuse_untied(model: nn.Module) -> None:
+    """A transformers model whose config ties the input and output embeddings but whose two
+    embeddings are separate tensors (`model.to_empty` unties them): loading would fill both from
+    the one saved tensor, and training would then update two copies, silently."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False):
+        return
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    w_in, w_out = getattr(inputs, "weight", None), getattr(outputs, "weight", None)
+    if w_in is not None and w_out is not None and w_in is not w_out:
+        raise CheckpointError(
+            "load: the model's config ties the input and output embeddings "
+            "(tie_word_embeddings=True) but they are two tensors now (model.to_empty unties "
+            "them); call model.tie_weights() before load, or training updates two copies"
+        )
+
+
 def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
     """DCP's flattened key (`model.layer.weight`) -> global shape, for every tensor in `obj`."""
     out: dict[str, torch.Size] = {}
