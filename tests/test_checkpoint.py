@@ -184,32 +184,17 @@ def test_a_model_on_meta_is_refused_with_what_to_do(saved: Path) -> None:
 def test_embeddings_untied_by_to_empty_are_refused(tmp_path: Path) -> None:
     # A tied transformers model built on meta and materialized with to_empty has two embedding
     # tensors: loading would fill both and training would then update two copies, silently.
-    import transformers
-
-    from grouped_ep.demo.model import tiny_qwen3_moe_config
-
-    config = tiny_qwen3_moe_config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=True,
-    )
-    saved = ck.save(tmp_path / "root", transformers.Qwen3MoeForCausalLM(config))
+    tied = tiny_qwen3_moe(seed=0, tie_word_embeddings=True)
+    saved = ck.save(tmp_path / "root", tied)
     with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(config)
+        model = type(tied)(tied.config)
     model.to_empty(device="cpu")
     with pytest.raises(ck.CheckpointError, match=r"tie_word_embeddings=True.*model.tie_weights"):
         ck.load(saved, model)
     model.tie_weights()
     ck.load(saved, model)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert torch.equal(model.get_input_embeddings().weight, tied.get_input_embeddings().weight)
 
 
 def test_damaged_extra_or_manifest_is_named_before_anything_is_read(saved: Path) -> None:

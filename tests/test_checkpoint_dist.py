@@ -265,8 +265,9 @@ def _world2(rank: int, world: int, root: str, export_dir: str) -> dict:
     return out
 
 
-def tiny_qwen3_moe(seed: int) -> nn.Module:
-    """A tiny transformers Qwen3-MoE (4 experts, 2 layers) with seeded, non-trivial weights."""
+def tiny_qwen3_moe(seed: int, **config_overrides) -> nn.Module:
+    """A tiny transformers Qwen3-MoE (4 experts, 2 layers) with seeded, non-trivial weights;
+    `config_overrides` go to its config (e.g. tie_word_embeddings=True)."""
     from transformers import Qwen3MoeForCausalLM
 
     from grouped_ep.demo.model import tiny_qwen3_moe_config
@@ -282,6 +283,7 @@ def tiny_qwen3_moe(seed: int) -> nn.Module:
         head_dim=8,
         num_experts=4,
         max_position_embeddings=64,
+        **config_overrides,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
