@@ -351,7 +351,13 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    norms = [n.to(device) for n in norms]
+    # Each mesh's p-norm combines as a p-norm, but the "0-norm" (how many gradients are not all
+    # zero, as torch counts it) is a sum of the per-mesh counts.
+    if norm_type == 0:
+        total = torch.stack(norms).sum()
+    else:
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}"

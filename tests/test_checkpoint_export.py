@@ -119,7 +119,9 @@ def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) 
     assert (out / "model.safetensors").is_file()
     (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
     (out / "notes.txt").write_text("kept")
-    ck.export_hf(tiny_qwen3_moe(seed=0), out, max_shard_size="10KB")
+    model = tiny_qwen3_moe(seed=0)
+    model.config.dtype = torch.bfloat16  # stale (loaded in bf16, cast to fp32): the files are fp32
+    ck.export_hf(model, out, max_shard_size="10KB")
     assert not (out / "model.safetensors").exists()
     assert not (out / "model-00009-of-00009.safetensors").exists()
     assert (out / "notes.txt").read_text() == "kept"

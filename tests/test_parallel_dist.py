@@ -172,6 +172,23 @@ def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip):
             assert mesh_dims == ("dp", "ep") and dims == (fsdp_dim, 0), (name, mesh_dims, dims)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf"), 0.0])
+def test_clip_grad_norm_equals_torch_on_plain_tensors(norm_type):
+    from grouped_ep.parallel import clip_grad_norm_
+
+    ours, ref = make_model(4), make_model(4)
+    for model in (ours, ref):
+        lm_loss(model, batches(1, 1)[0, 0]).backward()
+    ours.layers[0].norm.weight.grad = None  # a parameter without a gradient is skipped
+    ref.layers[0].norm.weight.grad = None
+    got = clip_grad_norm_(ours, 0.1, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
+
+
 # ---- EP dispatch under crafted routings -----------------------------------------------------------
 
 E, H = 4, 8

@@ -411,7 +411,7 @@ def run(device: str, quick: bool, log, rows: list | None = None) -> list[dict]:
                             digests["grouped_ep"] == digests["get_slice"] == digests["read_whole"]
                         )
         # Quantized copies of the same checkpoint, dequantized on read (bench/suites/loader_quant.py).
-        rows += quant_rows(ctx, spec, tmp, dev, reps, bf16_speed, _run_ranks, warm, log)
+        quant_rows(ctx, spec, tmp, dev, reps, bf16_speed, _run_ranks, warm, log, rows)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows

@@ -87,11 +87,21 @@ def write_quantized(src: Path, dst: Path, method: str, spec) -> None:
 
 
 def quant_rows(
-    ctx, spec, bf16_ckpt: Path, dev: str, reps: int, bf16_speed: dict, run_ranks, warm, log
+    ctx,
+    spec,
+    bf16_ckpt: Path,
+    dev: str,
+    reps: int,
+    bf16_speed: dict,
+    run_ranks,
+    warm,
+    log,
+    rows: list | None = None,
 ):
     """One row per (method, ranks): GB/s of dequantized output and the ratio to the bf16
-    checkpoint's hot grouped_ep row of the same run (`bf16_speed[world]`, bytes/s)."""
-    rows = []
+    checkpoint's hot grouped_ep row of the same run (`bf16_speed[world]`, bytes/s). Appended
+    to `rows` as each finishes (the runner's list: they survive a stop)."""
+    rows = [] if rows is None else rows
     for method in ("fp8", "mxfp4"):
         ckpt = bf16_ckpt / f"quant-{method}"
         write_quantized(bf16_ckpt, ckpt, method, spec)

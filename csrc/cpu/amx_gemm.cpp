@@ -18,7 +18,7 @@
 // and two of B and issues four TDPBF16PS (a block of at most 16 rows or columns: half of them).
 // The block is stored to a 4 KB fp32 buffer and rounded to bf16 from there.
 //
-// A group of few rows times an [E, N, K] weight (B K-contiguous) is computed transposed,
+// A group of few rows times an [E, N, K] weight (B K-contiguous, K a multiple of 32) is computed transposed,
 // C^T = B^T A^T (`amx_swapped`): the weight's rows are then tiles as they lie in memory, and the
 // group's few rows are packed instead of the whole weight. That halved the time of groups of 8
 // rows (E=128 experts of 256 x 128) and made the bench's Zipf rows 1.2x to 1.4x faster.
@@ -306,15 +306,14 @@ GE_AMX void amx_swapped(int64_t M, int64_t N, int64_t K, const uint16_t* a, int6
   const int64_t panels = (M + kNR - 1) / kNR;
   pack_b(a, 1, sam, K, M, s.bpanel.data(), 0, panels, pstride);  // A^T, zero past K and M
   for (int64_t p = 0; p < panels; ++p) zero_pad_steps(s.bpanel.data() + p * pstride, steps, steps_pad);
-  // The weight's rows in place when K is a multiple of 32, but a last block of fewer than 32
-  // rows, copied zero-padded (no tile reads past the weight); else every row copied, padded.
-  const bool in_place = kpad == K;
-  const int64_t full = in_place ? N / kBlockRows * kBlockRows : 0;
+  // The weight's rows in place (K is a multiple of 32, see `swapped_pays`), but a last block of
+  // fewer than 32 rows, copied zero-padded (no tile reads past the weight).
+  const int64_t full = N / kBlockRows * kBlockRows;
   if (full < N) pack_a(b + full * sbn, sbn, 1, N - full, K, kpad, s.apack.data(), nullptr);
   memory_fence();
   for (int64_t n0 = 0; n0 < N; n0 += kBlockRows) {
     const bool here = n0 < full;
-    const uint16_t* w0 = here ? b + n0 * sbn : s.apack.data() + (n0 - full) * kpad;
+    const uint16_t* w0 = here ? b + n0 * sbn : s.apack.data();
     const int64_t nrows = N - n0 < kBlockRows ? N - n0 : kBlockRows;
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t m0 = p * kNR, mcols = M - m0 < kNR ? M - m0 : kNR;
@@ -325,7 +324,8 @@ GE_AMX void amx_swapped(int64_t M, int64_t N, int64_t K, const uint16_t* a, int6
   }
 }
 
-// Whether C = A @ B takes `amx_swapped`: B and A K-contiguous, fewer than 128 rows, and packing
+// Whether C = A @ B takes `amx_swapped`: B and A K-contiguous, K a multiple of 32 (the weight's
+// rows are then read in place; else every row would be copied), fewer than 128 rows, and packing
 // A^T and transposing C moves at most twice the 32-bit lanes that packing B does
 // (M (K / 2 + N) < 2 N K / 2). Measured on one thread against the plain path, E groups of M rows
 // of the bench's [E, N, K] weights (Intel Xeon with AMX, 2026-11-25; single runs vary by about
@@ -333,8 +333,8 @@ GE_AMX void amx_swapped(int64_t M, int64_t N, int64_t K, const uint16_t* a, int6
 // about even at 128; 512 x 256, 1.1x to 1.6x faster from M = 16 to 384; 768 x 512, 1.1x to 1.3x
 // up to M = 96, 0.9x at 128 and 0.77x at 256; 1024 x 1024, 1.2x to 1.6x up to 128, 0.95x at 256.
 bool swapped_pays(int64_t M, int64_t N, int64_t K, int64_t sak, int64_t sbk, int64_t sbn) {
-  const int64_t steps = (K + 1) / 2;
-  return sak == 1 && sbk == 1 && sbn != 1 && M < 128 && M * (steps + N) < 2 * N * steps;
+  const int64_t steps = K / 2;  // K is even here
+  return sak == 1 && sbk == 1 && sbn != 1 && K % 32 == 0 && M < 128 && M * (steps + N) < 2 * N * steps;
 }
 
 // Sizes the scratch and cuts a packed A into blocks of rows whose packed copy stays under
@@ -345,9 +345,8 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, in
   const int64_t steps_pad = ((K + 1) / 2 + kTileSteps - 1) / kTileSteps * kTileSteps, kpad = steps_pad * 2;
   const int64_t pstride = steps_pad * kNR * 2, panels = (N + kNR - 1) / kNR;
   if (swapped_pays(M, N, K, sak, sbk, sbn)) {
-    const int64_t wrows = kpad == K ? kBlockRows : (N + kBlockRows - 1) / kBlockRows * kBlockRows;
     s.bpanel.resize(static_cast<size_t>((M + kNR - 1) / kNR * pstride));
-    s.apack.resize(static_cast<size_t>(wrows * kpad));
+    s.apack.resize(static_cast<size_t>(kBlockRows * kpad));  // the weight's last partial block
     configure_tiles();
     amx_swapped(M, N, K, a, sam, b, sbn, c, ldc, s);
     release_tiles();

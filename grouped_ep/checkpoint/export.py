@@ -366,17 +366,18 @@ def export_hf(
 
 
 def _config_for_export(model: nn.Module, config: Any) -> Any:
-    """A copy of `config` with what `save_pretrained` records about the model itself:
-    `architectures` (the model's class; tools such as vLLM pick the model by it) and `dtype`
-    (its floating parameters' dtype), where the config does not say them already."""
+    """A copy of `config` with what `save_pretrained` records about the model itself, written
+    over what the config says, as `save_pretrained` does: `architectures` (the model's class;
+    tools such as vLLM pick the model by it) and `dtype` (its floating parameters' dtype, which
+    the files hold: a model loaded in bf16 and cast to fp32 exports fp32)."""
     config = copy.deepcopy(config)
-    if not getattr(config, "architectures", None):
+    if hasattr(model, "config"):  # a transformers model: its class is the architecture
         name = type(model).__name__
         if isinstance(model, FSDPModule) and name.startswith("FSDP"):
             name = name[len("FSDP") :]  # fully_shard's subclass of the model's own class
         config.architectures = [name]
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    if floating and getattr(config, "dtype", None) is None:
+    if floating:
         config.dtype = floating[0]
     return config
 
