@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from grouped_ep._validate import is_int
 from grouped_ep.moe import GroupedExperts
 
 __all__ = [
@@ -55,7 +56,7 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
     """
     import torch.distributed as dist
 
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (dp, ep)):
+    if any(not is_int(v) or v < 1 for v in (dp, ep)):
         raise ValueError(f"make_mesh: dp and ep must be ints >= 1, got dp={dp!r}, ep={ep!r}")
     world = dist.get_world_size()
     if dp * ep != world:
@@ -278,7 +279,7 @@ def fully_shard_moe(
     check_mesh(mesh, "fully_shard_moe")
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
-    experts = experts_modules(model)
+    experts = check_shardable(model, ep_mesh, "fully_shard_moe")  # before anything changes
     if not experts:
         raise ValueError(f"fully_shard_moe: {type(model).__name__} has no experts module")
     kwargs = {
@@ -290,7 +291,6 @@ def fully_shard_moe(
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks = _blocks(model)
-    check_shardable(model, ep_mesh, "fully_shard_moe")  # before anything changes
     for module in experts:
         _refuse_shared_direct_params(module, names[id(module)])
     for module in experts:
@@ -363,8 +363,11 @@ def clip_grad_norm_(
             f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total.item()}"
         )
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        by_device.setdefault(local.device, []).append(local)
     with torch.no_grad():
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(coef.to(local.device, local.dtype))
+        for device, group in by_device.items():
+            torch._foreach_mul_(group, coef.to(device))
     return total

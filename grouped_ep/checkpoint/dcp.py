@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import grouped_ep.checkpoint.async_save as background
+from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.collective import (
     all_ok,
@@ -131,10 +132,6 @@ def _state(
 # ---- save / load --------------------------------------------------------------------------------
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python
-
-
 def save(
     root: str | os.PathLike,
     model: nn.Module,
@@ -171,11 +168,11 @@ def save(
     """
     background.wait_pending("save")
     root = Path(root)
-    if step is None and extra is not None and _is_int(extra.get("step")):
+    if step is None and extra is not None and is_int(extra.get("step")):
         step = extra["step"]
-    if step is not None and (not _is_int(step) or step < 0):
+    if step is not None and (not is_int(step) or step < 0):
         raise CheckpointError(f"save: step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+    if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
 
     def prepare() -> tuple[int, str]:

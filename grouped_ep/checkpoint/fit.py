@@ -17,11 +17,10 @@ from grouped_ep.checkpoint.inspect import CheckpointInfo
 
 def refuse_meta(model: nn.Module) -> None:
     """A model on meta has no storage to load into (DCP would copy into nothing, silently)."""
-    names = set(model.state_dict(keep_vars=True))
     on_meta = [
         n
-        for n, t in [*model.named_parameters(), *model.named_buffers()]
-        if n in names and (t.to_local() if isinstance(t, DTensor) else t).is_meta
+        for n, t in model.state_dict(keep_vars=True).items()  # what a load fills
+        if (t.to_local() if isinstance(t, DTensor) else t).is_meta
     ]
     if on_meta:
         shown = ", ".join(on_meta[:3]) + (

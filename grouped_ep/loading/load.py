@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from grouped_ep._validate import is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
@@ -186,7 +187,7 @@ def load_sharded(
     t0 = time.perf_counter()
     if threads is None:
         threads = default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if not is_int(threads) or threads < 1:
         raise ValueError(f"load_sharded: threads must be an int >= 1, got {threads!r}")
     if device is None:
         device = default_device(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from grouped_ep._validate import is_int
 from grouped_ep.loading.errors import LoadError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -73,10 +74,6 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
             raise LoadError(f"duplicate key {k!r} in header")
         out[k] = v
     return out
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsFile:
@@ -139,14 +136,14 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
         dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
             raise LoadError(f"{where}: unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
-        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(is_int(s) and s >= 0 for s in shape):
             raise LoadError(
                 f"{where}: shape must be a list of non-negative ints, got {shape!r:.80}"
             )
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(_is_int(o) for o in offsets)
+            or not all(is_int(o) for o in offsets)
         ):
             raise LoadError(f"{where}: data_offsets must be [begin, end] ints, got {offsets!r:.80}")
         begin, end = offsets

@@ -84,13 +84,14 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Scale the aux-loss gradient of every `MoE` of `model` by `scale` (default 1).
 
     The aux loss reaches the gradient through the backward of each MoE's routing weights, so it
-    does not see how the training loop scales the loss. With gradient accumulation over N micro-batches
-    whose losses are divided by N, set `scale = 1 / N`, so that the aux term is averaged like
-    the loss. With a loss scaler (`torch.amp.GradScaler`), set `scale = scaler.get_scale() / N`
-    at the start of each step: the scaler multiplies the loss and later divides every gradient,
-    aux terms included, by its factor. The scale is read when a forward runs (it is stored with
-    that forward's graph): set it before the forward whose backward it is for. Data-parallel and EP ranks need nothing:
-    FSDP averages the gradients, aux terms included.
+    does not see how the training loop scales the loss. With gradient accumulation over N
+    micro-batches whose losses are divided by N, set `scale = 1 / N`, so that the aux term is
+    averaged like the loss. With a loss scaler (`torch.amp.GradScaler`), set
+    `scale = scaler.get_scale() / N` at the start of each step: the scaler multiplies the loss
+    and later divides every gradient, aux terms included, by its factor. The scale is read when
+    a forward runs (it is stored with that forward's graph): set it before the forward whose
+    backward it is for. Data-parallel and EP ranks need nothing: FSDP averages the gradients,
+    aux terms included.
     """
     if not scale >= 0 or math.isinf(scale):  # NaN fails the first test
         raise ValueError(f"set_aux_loss_scale: scale must be finite and >= 0, got {scale}")

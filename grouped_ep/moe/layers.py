@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
+from grouped_ep._validate import is_int
 from grouped_ep.moe.balance import RouterOutput, add_aux_loss_grad, load_balancing_loss
-from grouped_ep.moe.dispatch import Dispatcher, Routing, default_dispatcher
+from grouped_ep.moe.dispatch import Dispatcher, Routing, default_dispatcher, tokens_per_expert
 
 __all__ = ["GroupedExperts", "MoE", "route", "swiglu_experts"]
 
@@ -180,7 +181,7 @@ class MoE(nn.Module):
         dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        if not is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
             )
@@ -248,9 +249,9 @@ class MoE(nn.Module):
         logits, weights, expert_ids = route(
             x, self.router.weight, self.top_k, self.norm_topk_prob, expert_bias=bias
         )
+        counts = tokens_per_expert(expert_ids, self.num_experts)  # the aux loss's and the routing's
         aux_loss = None
         if self.aux_loss_coef > 0:
-            counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
             dtype = torch.promote_types(logits.dtype, torch.float32)  # as `route`'s softmax
             aux_loss = load_balancing_loss(
                 torch.softmax(logits, -1, dtype=dtype), counts, self.top_k
@@ -261,7 +262,7 @@ class MoE(nn.Module):
                 coef = self.aux_loss_coef * self.aux_loss_grad_scale
                 weights = add_aux_loss_grad(weights, aux_loss, coef)
             aux_loss = aux_loss.detach()
-        routing = Routing.from_topk(expert_ids, weights, self.num_experts)
+        routing = Routing(expert_ids, weights, counts)
         # Only forwards that train count: not one under no_grad or inference_mode (an eval or
         # generation callback that left the module in training mode), whose counter would
         # also be an inference tensor that the next training forward cannot add to.
