@@ -24,6 +24,7 @@
 // rows (E=128 experts of 256 x 128) from 5.6 to 3.7 us, and made the bench's bf16 Zipf forward
 // rows 1.06x to 1.30x faster (2 threads, two A/B rounds).
 #include "amx_gemm.h"
+#include "aligned_buffer.h"
 
 #include <algorithm>
 #include <cstring>
@@ -231,7 +232,7 @@ GE_AMX void pack_a(const uint16_t* a, int64_t sam, int64_t sak, int64_t M, int64
 }
 
 struct Scratch {
-  std::vector<uint16_t> bpanel, apack, tmp;
+  ScratchBuf<uint16_t> bpanel, apack, tmp;
 };
 
 // C = A @ B for rows [0, M) of A and C; see the top of the file.

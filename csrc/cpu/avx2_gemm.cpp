@@ -25,6 +25,7 @@
 // Only the functions under the target attribute use AVX2; they instantiate no library template
 // (scratch is allocated outside them). The caller checks the CPU first (gemm_plan.cpp).
 #include "avx2_gemm.h"
+#include "aligned_buffer.h"
 
 #include <cstring>
 #include <type_traits>
@@ -351,7 +352,7 @@ template <Kind k>
 void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t sak, const Elem<k>* b,
          int64_t sbk, int64_t sbn, Elem<k>* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0 || K <= 0) return;
-  thread_local std::vector<float> bpack, apack, csum;
+  thread_local ScratchBuf<float> bpack, apack, csum;
   const int64_t blocks = K > kKSplit ? (K + kKBlock - 1) / kKBlock : 1;
   const int64_t kc = (K + blocks - 1) / blocks;
   const int64_t panels = (N + kNR - 1) / kNR;

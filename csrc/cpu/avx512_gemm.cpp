@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "aligned_buffer.h"
 #include "avx512_gemm.h"
 #include "prefetch_lines.h"
 
@@ -215,7 +216,7 @@ template <typename T>
 void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
          int64_t sbn, T* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0) return;
-  thread_local std::vector<T> bpanel, apack;
+  thread_local ScratchBuf<T> bpanel, apack;
   constexpr int64_t per = kPer<T>;
   const int64_t lanes = (K + per - 1) / per * kNR * per;  // one panel
   bpanel.resize(static_cast<size_t>(lanes));
