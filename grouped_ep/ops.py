@@ -70,10 +70,10 @@ def weight_grad_placements(w: DTensor) -> list[Placement]:
 
 
 def _wrap_weight_grad(dw: Tensor, w: Tensor) -> Tensor:
-    if not isinstance(w, DTensor):
-        return dw
     if isinstance(dw, DTensor):  # from a DTensor x: its local sum over this rank's rows
         dw = dw._local_tensor
+    if not isinstance(w, DTensor):  # a plain weight gets a plain gradient (this rank's rows)
+        return dw
     return DTensor.from_local(
         dw, w.device_mesh, weight_grad_placements(w), run_check=False, shape=w.shape,
         stride=w.stride(),

@@ -135,6 +135,13 @@ def _errors_and_dtensor_tokens(rank: int, world: int):
     assert isinstance(out, DTensor) and out.placements == (Shard(0),)
     assert out.shape == (world * x.shape[0], N)
     assert_close(out.to_local(), gemm_ref(x, w, offs), torch.float64)
+    # ... and a plain weight gets a plain gradient, this rank's own rows' sum (it was a Partial
+    # DTensor on the plain parameter, which the optimizer step then refused).
+    w_plain = torch.nn.Parameter(w.clone())
+    torch.ops.grouped_ep.gemm(x_dt, w_plain, offs, False).to_local().backward(dy)
+    assert type(w_plain.grad) is torch.Tensor, type(w_plain.grad)
+    assert_close(w_plain.grad, wgrad_ref(x, dy, offs), torch.float64)
+    torch.optim.SGD([w_plain], lr=0.1).step()
     return errors
 
 

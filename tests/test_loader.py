@@ -426,6 +426,29 @@ def test_error_missing_shard_file_and_key_not_in_file(tmp_path):
     _expect(r"s1\.safetensors: missing key 'm\.experts\.down_proj'", _fused_model(), tmp_path)
 
 
+def test_error_names_the_expert_key_of_another_dtype_and_its_file(tmp_path):
+    # The odd key is rarely among the first few of a stack: it and its file are named.
+    state = _fused_state()
+    per = {f"m.experts.{i}.down_proj.weight": state["m.experts.down_proj"][i] for i in range(5)}
+    per["m.experts.4.down_proj.weight"] = per["m.experts.4.down_proj.weight"].to(torch.int32)
+    write_safetensors(tmp_path / "model.safetensors", per)
+    _expect(
+        r"m\.experts\.down_proj: the checkpoint keys stacked into it must share one dtype; 4 of "
+        r"5 are torch\.float32, but .*model\.safetensors: 'm\.experts\.4\.down_proj\.weight' "
+        r"is torch\.int32",
+        _fused_model(),
+        tmp_path,
+    )
+
+
+def test_error_shard_path_that_is_a_directory(tmp_path):
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
+    (tmp_path / "s2.safetensors").mkdir()
+    write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"})
+    _expect(r"shard file 's2\.safetensors'.* is a directory, not a file", _fused_model(), tmp_path)
+
+
 def _valid_raw(tmp_path):
     t = torch.arange(6, dtype=torch.float32)
     header = {

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,14 @@ from grouped_ep.checkpoint.direct_reader import DirectReader
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.fit import (
     check_fits,
+    check_param_groups,
     refuse_meta,
     refuse_unexpected,
     refuse_untied,
     stateless_params,
     without,
 )
-from grouped_ep.checkpoint.inspect import describe
+from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
     MANIFEST_FILE,
     TMP_PREFIX,
@@ -80,8 +82,10 @@ from grouped_ep.checkpoint.layout import (
     next_step,
     prune,
     resolve,
+    restore_swapped_out,
     step_dir_name,
 )
+from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_buffers
 
 __all__ = ["AsyncSave", "save", "load"]
 
@@ -127,6 +131,15 @@ def _state(
         optimizer.state.clear()
         osd = {**osd, "state": {}}
     return {"model": msd, "optim": osd}
+
+
+def _failures(e: CheckpointException) -> str:
+    """Each failed rank's own error first, then DCP's report with the tracebacks."""
+    failures = getattr(e, "failures", None) or {}
+    own = "; ".join(
+        f"rank {r}: {type(pair[0]).__name__}: {pair[0]}" for r, pair in sorted(failures.items())
+    )
+    return f"{own}\n{e}" if own else str(e)
 
 
 # ---- save / load --------------------------------------------------------------------------------
@@ -178,15 +191,25 @@ def save(
     def prepare() -> tuple[int, str]:
         if root.exists() and not root.is_dir():
             raise CheckpointError(f"save: checkpoint root {root} exists and is not a directory")
-        root.mkdir(parents=True, exist_ok=True)
-        s = next_step(root) if step is None else step
-        tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
-        # Left by saves that died (of any step; this process has none in flight, see above):
-        # never the latest, never complete.
-        for old in root.glob(f"{TMP_PREFIX}*"):
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-        tmp.mkdir()
+        if (root / METADATA_FILE).is_file():
+            raise CheckpointError(
+                f"save: {root} is itself a checkpoint (it holds {METADATA_FILE}); save into a "
+                f"checkpoint root instead (a directory of step-N checkpoints and `latest`, such "
+                f"as {root.parent}), or a load of {root} would keep reading the old one"
+            )
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            s = next_step(root) if step is None else step
+            tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
+            restore_swapped_out(root)
+            # Left by saves that died (of any step; this process has none in flight, see
+            # above): never the latest, never complete.
+            for old in root.glob(f"{TMP_PREFIX}*"):
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
         return s, tmp.name
 
     step_, tmp_name = on_rank0(prepare)
@@ -212,7 +235,13 @@ def save(
 
     def commit() -> Path:
         if rank() == 0:
-            commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+            try:
+                commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+            except OSError as e:
+                raise CheckpointError(
+                    f"save: committing {tmp} as {final} failed ({e}); `latest` still names the "
+                    "previous checkpoint"
+                ) from e
             if keep_last is not None:
                 prune(root, keep_last)
         return final
@@ -238,7 +267,7 @@ def save(
                     no_dist=not distributed(),
                 )
     except CheckpointException as e:  # raised on every rank when any rank failed
-        raise CheckpointError(f"save to {tmp} failed: {e}") from e
+        raise CheckpointError(f"save to {tmp} failed: {_failures(e)}") from e
     if not async_save:
         on_rank0(commit)
         return final
@@ -247,7 +276,7 @@ def save(
         try:
             upload.result()
         except CheckpointException as e:
-            raise CheckpointError(f"async save to {tmp} failed: {e}") from e
+            raise CheckpointError(f"async save to {tmp} failed: {_failures(e)}") from e
         return commit()
 
     return background.start(final, finish)
@@ -270,6 +299,10 @@ def load(
         path: a checkpoint directory, or a root whose `latest` file names one.
         model: the model to fill; its parameters keep their placements.
         optimizer: an optimizer over `model`'s parameters, or None (optimizer state not read).
+
+    Non-persistent buffers (rotary `inv_freq`, ...), which no checkpoint holds, are recomputed
+    afterwards from their modules' own initialization, as a fresh build has them: after
+    `model.to_empty(...)` they held garbage.
 
     Returns:
         The `extra` this rank saved (rank 0's when the saving run had no such rank), or None.
@@ -312,6 +345,7 @@ def _load(
         stateless = stateless_params(info, current) if optimizer is not None else []
         check_fits(info, without(current, stateless))  # global shapes: the same on every rank
         refuse_unexpected(info, current)
+        check_param_groups(info, current)
         return str(ckpt), manifest, stateless
 
     ckpt_s, manifest, stateless = on_rank0(check)
@@ -338,7 +372,7 @@ def _load(
     except CheckpointException as e:
         raise CheckpointError(
             f"load from {ckpt} failed while reading, after the checkpoint was checked; the model "
-            f"and optimizer may be partly loaded: {e}"
+            f"and optimizer may be partly loaded: {_failures(e)}"
         ) from e
     # The tensors were filled in place; this applies the rest (optimizer param groups) and
     # whatever a state-dict conversion did not alias, exactly as plain DCP use does.
@@ -354,4 +388,27 @@ def _load(
             optim_state_dict=current["optim"],
             options=StateDictOptions(strict=not stateless),
         )
+    refresh_buffers(model)
     return extra
+
+
+def refresh_buffers(model: nn.Module) -> None:
+    """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
+    them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
+    they hold garbage. Each takes the value its module's own initialization gives, as in a
+    fresh build; one that cannot be recomputed keeps its value, with a warning naming it."""
+    found = nonpersistent_buffers(model, only_meta=False)
+    if not found:
+        return
+    module, names = next(iter(found.values()))
+    failures: list[str] = []
+    values = fresh_buffers(model, module._buffers[names[0]].device, False, failures)
+    for owner, name, value in values:
+        owner._buffers[name] = value.to(owner._buffers[name].device)
+    if failures:
+        warnings.warn(
+            "checkpoint.load: these non-persistent buffers (held by no checkpoint) could not be "
+            "recomputed from their modules' initialization and keep their values; if the model "
+            "was materialized with to_empty, they hold garbage: " + "; ".join(failures),
+            stacklevel=4,
+        )

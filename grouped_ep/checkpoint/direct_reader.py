@@ -94,10 +94,31 @@ class DirectReader(FileSystemReader):
                     if not self._read_direct(f, path, req, planner):
                         rest.append(req)
         if rest:
-            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            try:
+                return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            except Exception as e:  # DCP's message names neither the file nor the key
+                bad = self._first_unreadable(rest)
+                if bad is None:
+                    raise
+                raise OSError(f"{bad}: cannot read the saved item ({type(e).__name__}: {e})") from e
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def _first_unreadable(self, reqs: list[ReadItem]) -> str | None:
+        """'<file> (<key>)' of the first item that torch.load cannot read, or None."""
+        for req in reqs:
+            info = self.storage_data[req.storage_index]
+            path = os.path.join(str(self.path), info.relative_path)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    # The checkpoint is trusted as much as DCP's own pickled .metadata is.
+                    torch.load(
+                        _Window(f, info.offset, info.length), map_location="cpu", weights_only=False
+                    )
+            except Exception:  # noqa: BLE001 (pickle and zip raise many types)
+                return f"{path} ({req.storage_index.fqn})"
+        return None
 
     def _read_direct(self, f, path: str, req: ReadItem, planner: LoadPlanner) -> bool:
         """Read `req` into its destination if it qualifies (see the module docstring)."""

@@ -110,6 +110,27 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
         )
 
 
+def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
+    """Raise CheckpointError when the optimizer has another number of parameter groups than the
+    saved one (as `Optimizer.load_state_dict` refuses it): DCP would otherwise fill the groups it
+    finds by position, silently giving parameters another group's learning rate."""
+    if "optim" not in state:
+        return
+    prefix = "optim.param_groups."
+    saved = {
+        key[len(prefix) :].split(".", 1)[0]
+        for key in info.metadata.state_dict_metadata
+        if key.startswith(prefix)
+    }
+    have = len(state["optim"]["param_groups"])
+    if saved and len(saved) != have:
+        raise CheckpointError(
+            f"checkpoint {info.path} holds optimizer state with {len(saved)} parameter group(s), "
+            f"the optimizer has {have}; build the optimizer with the same parameter groups as "
+            "the run that saved it"
+        )
+
+
 def stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
     """The parameters that have optimizer state now but none at all in the checkpoint.
 

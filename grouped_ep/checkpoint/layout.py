@@ -8,6 +8,8 @@ root/
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -61,6 +63,9 @@ def resolve(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{latest}: expected a checkpoint directory name, got {name!r}")
         target = path / name
         if not target.is_dir():
+            copy = swapped_out(path, name)  # a same-step save died between its renames
+            if copy is not None:
+                return copy
             raise CheckpointError(f"{latest} names {name}, which does not exist in {path}")
         return target
     if not path.exists():
@@ -86,23 +91,72 @@ def next_step(root: Path) -> int:
     return max(steps) + 1 if steps else 0
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE). False where the
+    system or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
 def commit_step(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Make the finished save in `tmp` the checkpoint `final` and point `latest` at it.
 
     Run once (rank 0), after every rank has written its files. The manifest goes in first; one
     rename makes the directory complete; `latest` is replaced atomically.
+
+    Saving a step that exists already swaps the two directories in one atomic step where Linux
+    can (renameat2), so that `final` is at every moment either the old complete checkpoint or
+    the new one. Elsewhere the old one is first renamed to `.tmp-old-<name>-<pid>` and the new
+    one renamed in; `resolve` falls back to that copy if `latest` names `final` and it is
+    missing (a crash between the two renames), and a later save puts it back first.
     """
     write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
     fsync_dir(tmp)
     old = None
-    if final.exists():  # saving the same step again: swap the old one out, then delete it
-        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
+    if final.exists():  # saving the same step again
+        if _exchange(tmp, final):
+            old = tmp  # now holds the previous checkpoint
+        else:
+            old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+    else:
+        os.rename(tmp, final)
     write_text_atomic(root / LATEST_FILE, final.name + "\n")
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def swapped_out(root: Path, name: str) -> Path | None:
+    """The complete copy of checkpoint `name` that a same-step save swapped out and did not
+    replace (it died between its two renames), or None."""
+    for p in sorted(root.glob(f"{TMP_PREFIX}old-{name}-*")):
+        if (p / METADATA_FILE).is_file():
+            return p
+    return None
+
+
+def restore_swapped_out(root: Path) -> None:
+    """Before a save clears `.tmp-*`: put back a checkpoint that `latest` names and that only
+    survives as a swapped-out copy (see `commit_step`)."""
+    latest = root / LATEST_FILE
+    name = latest.read_text().strip() if latest.is_file() else ""
+    if not name.startswith(STEP_PREFIX) or (root / name).exists():
+        return
+    copy = swapped_out(root, name)
+    if copy is not None:
+        os.rename(copy, root / name)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -116,12 +116,16 @@ def _from_init_weights(
 
 
 def fresh_buffers(
-    model: nn.Module, device: torch.device | str, only_meta: bool = True
+    model: nn.Module,
+    device: torch.device | str,
+    only_meta: bool = True,
+    failures: list[str] | None = None,
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(module, buffer name, value on `device`) for every non-persistent buffer still on meta
     (or every one, `only_meta=False`: after `to_empty` they hold garbage).
 
-    Raises LoadError naming every buffer that cannot be recomputed, and why.
+    Raises LoadError naming every buffer that cannot be recomputed, and why; with `failures`
+    given, those are appended to it instead and the others returned.
     """
     device = torch.device(device)
     out, failed = [], []
@@ -149,7 +153,9 @@ def fresh_buffers(
                 )
                 continue
             out.append((module, name, value.to(old.dtype)))
-    if failed:
+    if failed and failures is not None:
+        failures.extend(failed)
+    elif failed:
         raise LoadError(
             "non-persistent buffers hold no values and no checkpoint holds them; they could not be "
             "recomputed from their modules' initialization: " + "; ".join(failed) + ". Build "

@@ -294,11 +294,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def plan_target(target: Target, file_ids: dict[str, int], device: torch.device | None) -> None:
     t = target.tensor
-    dtypes = {p.entry.dtype for p in target.pieces}
-    if len(dtypes) != 1:
-        keys = ", ".join(f"{p.entry.key} ({p.entry.dtype})" for p in target.pieces[:4])
-        raise LoadError(f"{target.name}: checkpoint tensors have different dtypes: {keys}")
-    src_dtype = dtypes.pop()
+    dtypes = [p.entry.dtype for p in target.pieces]
+    if len(set(dtypes)) != 1:
+        # Name the pieces that differ from the most common dtype, with their files (the key at
+        # fault is rarely among the first few of an expert stack).
+        common = max(set(dtypes), key=dtypes.count)
+        odd = [p.entry for p in target.pieces if p.entry.dtype != common]
+        shown = "; ".join(f"{e.path}: {e.key!r} is {e.dtype}" for e in odd[:4])
+        more = f" (and {len(odd) - 4} more)" if len(odd) > 4 else ""
+        raise LoadError(
+            f"{target.name}: the checkpoint keys stacked into it must share one dtype; "
+            f"{len(dtypes) - len(odd)} of {len(dtypes)} are {common}, but {shown}{more}"
+        )
+    src_dtype = dtypes[0]
     if src_dtype != t.dtype and not (src_dtype.is_floating_point and t.dtype.is_floating_point):
         p = target.pieces[0].entry
         raise LoadError(

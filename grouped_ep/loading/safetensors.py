@@ -272,8 +272,15 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
         file_path = str(base / name)
         if file_path not in files:
             if not os.path.isfile(file_path):
+                what = (
+                    "is a directory, not a file"
+                    if os.path.isdir(file_path)
+                    else "is not a regular file"
+                    if os.path.exists(file_path)
+                    else "was not found"
+                )
                 raise LoadError(
-                    f"{index_path}: shard file {name!r} (holding {key!r}) not found in {base}"
+                    f"{index_path}: shard file {name!r} (holding {key!r}) in {base} {what}"
                 )
             files[file_path] = read_header(file_path)
         header = files[file_path]

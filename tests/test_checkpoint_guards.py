@@ -1,0 +1,154 @@
+"""Checkpoint cases a user can hit without noticing: a meta model materialized with `to_empty`
+(its non-persistent buffers hold garbage), an optimizer with other parameter groups, a save into
+a directory that is itself a checkpoint, a same-step save that dies between its renames, and a
+damaged small chunk (read by DCP's own reader)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_dist import tiny_qwen3_moe
+from torch import nn
+
+import grouped_ep.checkpoint.layout as layout
+from grouped_ep import checkpoint as ck
+
+
+def test_load_recomputes_buffers_that_to_empty_left_as_garbage(tmp_path: Path) -> None:
+    # The documented way to resume into a meta-built model: to_empty, tie_weights, load. No
+    # checkpoint holds rotary inv_freq; before, it kept whatever to_empty's memory held.
+    ref = tiny_qwen3_moe(seed=0, tie_word_embeddings=True)
+    ck.save(tmp_path, ref, step=1)
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    for _, buf in model.named_buffers():
+        buf.fill_(float("nan"))  # what garbage may look like
+    ck.load(tmp_path, model)
+    for (name, a), (_, b) in zip(ref.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+
+
+def test_buffer_that_cannot_be_recomputed_is_kept_with_a_warning(tmp_path: Path) -> None:
+    class Odd(nn.Module):
+        def __init__(self, size: int):  # keeps no `size`: cannot be rebuilt
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(size))
+            self.register_buffer("scale", torch.full((size,), 2.0), persistent=False)
+
+    model = Odd(3)
+    ck.save(tmp_path, model, step=0)
+    with torch.no_grad():
+        model.scale.fill_(5.0)
+    with pytest.warns(UserWarning, match=r"to_empty, they hold garbage: scale"):
+        ck.load(tmp_path, model)
+    assert torch.equal(model.scale, torch.full((3,), 5.0))
+
+
+def _two_layers(groups: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    if groups == 2:
+        opt = torch.optim.AdamW(
+            [
+                {"params": model[0].parameters(), "lr": 1e-3},
+                {"params": model[1].parameters(), "lr": 1e-2},
+            ]
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("saved_groups,groups", [(2, 1), (1, 2)])
+def test_other_parameter_groups_are_refused_before_reading(tmp_path, saved_groups, groups):
+    # DCP fills the groups it finds by position: 2 saved into 1 gave every parameter group 0's lr.
+    ck.save(tmp_path, *_two_layers(saved_groups), step=1)
+    model, opt = _two_layers(groups)
+    before = [p.clone() for p in model.parameters()]
+    lrs = [g["lr"] for g in opt.param_groups]
+    with pytest.raises(ck.CheckpointError, match=rf"{saved_groups} parameter group.*has {groups}"):
+        ck.load(tmp_path, model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [g["lr"] for g in opt.param_groups] == lrs
+
+
+def test_save_into_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    # `load(root)` prefers the root's own .metadata over `latest`: the new save was never read.
+    model = nn.Linear(4, 4)
+    step = ck.save(tmp_path, model, step=1)
+    with pytest.raises(
+        ck.CheckpointError, match=r"is itself a checkpoint.*save into a checkpoint root"
+    ):
+        ck.save(step, model, step=2)
+    assert sorted(p.name for p in step.iterdir()) == sorted(
+        p.name for p in ck.save(tmp_path / "other", model, step=1).iterdir()
+    )
+
+
+def _saved_twice(root: Path, monkeypatch, exchange: bool):
+    old, new = nn.Linear(4, 4), nn.Linear(4, 4)
+    ck.save(root, old, step=1)
+    if not exchange:
+        monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
+    real = os.rename
+
+    def dies_between_the_renames(a, b):
+        if str(a).endswith(".tmp-step-00000001"):
+            raise OSError(5, "EIO (simulated)")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "rename", dies_between_the_renames)
+    return old, new
+
+
+def test_same_step_save_swaps_atomically(tmp_path: Path, monkeypatch) -> None:
+    if not layout._exchange(tmp_path, tmp_path):  # renameat2 unsupported here: nothing to test
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this system")
+    old, new = _saved_twice(tmp_path, monkeypatch, exchange=True)
+    ck.save(tmp_path, new, step=1)  # the exchange does not rename: unaffected
+    got = nn.Linear(4, 4)
+    ck.load(tmp_path, got)
+    assert torch.equal(got.weight, new.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+
+
+def test_same_step_save_that_dies_between_renames_keeps_the_old_one(tmp_path, monkeypatch):
+    old, new = _saved_twice(tmp_path, monkeypatch, exchange=False)
+    with pytest.raises(ck.CheckpointError, match=r"committing .* failed.*latest"):
+        ck.save(tmp_path, new, step=1)
+    monkeypatch.undo()
+    got = nn.Linear(4, 4)
+    ck.load(tmp_path, got)  # `latest` names step-1: its swapped-out copy is read
+    assert torch.equal(got.weight, old.weight)
+    ck.save(tmp_path, new, step=2)  # puts the old step-1 back before clearing .tmp-*
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step-00000001",
+        "step-00000002",
+    ]
+    ck.load(tmp_path / "step-00000001", got)
+    assert torch.equal(got.weight, old.weight)
+
+
+def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))  # every chunk under 1 MB
+    step = ck.save(tmp_path, model, step=1)
+    chunk = ck.describe(step).tensors["model.1.weight"].chunks[0]
+    with open(step / chunk.file, "r+b") as f:
+        f.seek(chunk.file_offset)
+        f.write(b"\xff" * 64)
+    with pytest.raises(
+        ck.CheckpointError, match=r"rank 0: OSError: .*__0_0\.distcp \(model\.1\.weight\)"
+    ):
+        ck.load(tmp_path, nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)))
