@@ -114,11 +114,14 @@ def uses_experts_interface(module: nn.Module) -> bool:
     return all(k in own for k in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
 
 
-def check_shardable(model: nn.Module, ep_mesh: DeviceMesh, caller: str) -> list[nn.Module]:
+def check_shardable(
+    model: nn.Module, ep_mesh: DeviceMesh, caller: str, with_fsdp: bool = False
+) -> list[nn.Module]:
     """Every experts module of `model`, after checking that EP over `ep_mesh` can shard each one,
     so that a refusal (raised as `caller: ...`) comes before anything is changed: `num_experts`
     divisible by the EP degree, stacked weights plain tensors or already EP-sharded on
-    `ep_mesh`."""
+    `ep_mesh`, and (`with_fsdp`: for `fully_shard_moe` and what calls it) no parameter held by
+    an experts module itself that is not stacked over its experts."""
     ep = ep_mesh.size()
     found = []
     for prefix, module in model.named_modules():
@@ -136,6 +139,8 @@ def check_shardable(model: nn.Module, ep_mesh: DeviceMesh, caller: str) -> list[
                     f"{caller}: {where}.{name} is already a DTensor with placements "
                     f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor"
                 )
+        if with_fsdp:
+            _refuse_shared_direct_params(module, where, caller)
         found.append(module)
     return found
 
@@ -226,12 +231,12 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def _refuse_shared_direct_params(module: nn.Module, prefix: str) -> None:
+def _refuse_shared_direct_params(module: nn.Module, prefix: str, caller: str) -> None:
     stacked = {id(p) for _, p in _expert_params(module)}
     direct = [n for n, p in module.named_parameters(recurse=False) if id(p) not in stacked]
     if direct:
         raise NotImplementedError(
-            f"fully_shard_moe: {prefix}.{direct[0]} is a parameter of the experts module that is "
+            f"{caller}: {prefix}.{direct[0]} is a parameter of the experts module that is "
             f"not stacked over its {module.num_experts} experts; EP cannot shard it"
         )
 
@@ -279,7 +284,7 @@ def fully_shard_moe(
     check_mesh(mesh, "fully_shard_moe")
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
-    experts = check_shardable(model, ep_mesh, "fully_shard_moe")  # before anything changes
+    experts = check_shardable(model, ep_mesh, "fully_shard_moe", with_fsdp=True)  # first
     if not experts:
         raise ValueError(f"fully_shard_moe: {type(model).__name__} has no experts module")
     kwargs = {
@@ -291,8 +296,6 @@ def fully_shard_moe(
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks = _blocks(model)
-    for module in experts:
-        _refuse_shared_direct_params(module, names[id(module)])
     for module in experts:
         _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
@@ -314,8 +317,8 @@ def clip_grad_norm_(
     parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    *,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a model sharded by `fully_shard_moe` or
     `grouped_ep.hf.parallelize`, whose gradients are DTensors on two meshes (experts on
@@ -330,6 +333,8 @@ def clip_grad_norm_(
         max_norm: the largest total norm left.
         norm_type: the p of the p-norm (`float("inf")` for the largest absolute value).
         error_if_nonfinite: raise when the total norm is nan or inf.
+        foreach: accepted for torch's signature; the gradients are always scaled with one
+            foreach call per device (a device without foreach kernels falls back inside torch).
 
     Returns:
         The total norm of all the gradients before clipping (a plain 0-d tensor).

@@ -225,6 +225,14 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
         parallelize(odd, mesh)
     assert odd.config._experts_implementation == "eager"
     assert not any(isinstance(p, DTensor) for p in odd.parameters())
+    # A parameter of the experts module not stacked over experts: refused before the switch too.
+    shared = make_model("qwen3_moe")
+    shared.set_experts_implementation("eager")
+    shared.model.layers[0].mlp.experts.scale = torch.nn.Parameter(torch.ones(()))
+    with pytest.raises(NotImplementedError, match=r"^parallelize: .*experts\.scale is a param"):
+        parallelize(shared, mesh)
+    assert shared.config._experts_implementation == "eager"
+    assert not any(isinstance(p, DTensor) for p in shared.parameters())
     # EP-sharded experts on another implementation: loading would work, a forward says why not.
     eager = make_model("mixtral")
     eager.set_experts_implementation("eager")

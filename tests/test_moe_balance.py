@@ -170,6 +170,22 @@ def _train_skewed(gamma: float | None, steps: int = 200) -> tuple[float, float]:
     return (first.max() / first.mean()).item(), (last.max() / last.mean()).item()
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_counts_each_token_once(use_reentrant):
+    # The recompute in backward is a training forward with grad enabled: it counted again.
+    from torch.utils.checkpoint import checkpoint
+
+    moe, d = skewed_moe(expert_bias_gamma=0.1)
+    x = (torch.randn(40, 16) + d).requires_grad_()
+    y, out = moe(x, return_router_outputs=True)
+    y.sum().backward()
+    want = update_expert_bias(copy.deepcopy(moe))
+    assert want.tolist() == [out.tokens_per_expert.tolist()]
+    moe.take_load_counts()
+    checkpoint(moe, x, use_reentrant=use_reentrant).sum().backward()
+    assert update_expert_bias(moe).tolist() == want.tolist()
+
+
 def test_expert_bias_balances_a_skewed_router_and_without_it_the_skew_stays():
     start, end = _train_skewed(gamma=3e-3)
     start_plain, end_plain = _train_skewed(gamma=None)

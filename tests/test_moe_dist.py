@@ -197,3 +197,45 @@ def test_expert_bias_survives_resume_at_another_world_size(tmp_path):
                 assert abs(a - b) <= TOL, f"world {world} step {step}: {a} vs uninterrupted {b}"
             for got, want in zip(resumed_bias, bias_history):
                 torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+
+
+class _InPlaceStack(nn.Module):
+    """MoE layers held directly by a ModuleList: `fully_shard_moe` makes each its own FSDP2 unit,
+    whose forward output the model then scales in place (as the README allows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MoE(8, 16, 4, 2) for _ in range(2))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, in_place: bool) -> torch.Tensor:
+        for layer in self.layers:
+            y = layer(x)
+            if in_place:
+                y *= 0.5
+            else:
+                y = y * 0.5
+            x = x + y
+        return self.head(x)
+
+
+def _in_place_rank(rank: int, world: int, shape: tuple[int, ...]):
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    grads = []
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard_moe(_InPlaceStack(), make_mesh(1, world))
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
+        model(x, in_place).square().mean().backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (2, 3, 8)])
+def test_in_place_op_on_moe_output_of_an_fsdp_unit(shape):
+    # The output was a view (of the [T, H] sum): FSDP2's backward then failed after `y *= 0.5`
+    # ("setStorage: ... out of bounds for storage of size 0").
+    for out_of_place, in_place in run_ranks(_in_place_rank, 2, shape, timeout=TIMEOUT):
+        for a, b in zip(out_of_place, in_place):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)

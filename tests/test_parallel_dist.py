@@ -389,3 +389,18 @@ def test_make_mesh_sizes_must_be_ints():
     for dp, ep in ((1.0, 2), (1, True), (0, 2)):
         with pytest.raises(ValueError, match="dp and ep must be ints >= 1"):
             make_mesh(dp, ep)
+
+
+def test_clip_grad_norm_takes_torchs_arguments():
+    # A drop-in for torch's: norm_type and error_if_nonfinite positionally, and foreach.
+    from grouped_ep.parallel import clip_grad_norm_
+
+    ref, ours = nn.Linear(5, 3), nn.Linear(5, 3)
+    ours.load_state_dict(ref.state_dict())
+    for m in (ref, ours):
+        m(torch.ones(2, 5)).square().sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, 2.0, False, foreach=True)
+    got = clip_grad_norm_(ours.parameters(), 0.1, 2.0, False, foreach=True)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -240,7 +240,7 @@ def parallelize(
         check_supported(module)
     check_mesh(mesh, "parallelize")
     # Refusals before the implementation is switched: a failed call changes nothing.
-    check_shardable(model, mesh["ep"], "parallelize")
+    check_shardable(model, mesh["ep"], "parallelize", with_fsdp=True)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     for module in experts:

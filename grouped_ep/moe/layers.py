@@ -138,6 +138,21 @@ def route(
     return logits, weights.to(logits.dtype), expert_ids
 
 
+def _recomputing() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing recomputing one in the
+    backward pass: the first forward counted its tokens (counting them again doubled the load
+    counts that `update_expert_bias` returns). Reentrant checkpointing runs the first forward
+    under no_grad, uncounted, so its recompute counts."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        return False
+    try:  # torch.utils.checkpoint's recompute runs under its own saved-tensors hooks
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    pack = hooks[0] if hooks else None
+    return "_recomputation_hook" in getattr(pack, "__qualname__", "")
+
+
 class MoE(nn.Module):
     """Sparse MoE block: softmax top-k router (Linear, no bias) and SwiGLU `GroupedExperts`.
 
@@ -266,7 +281,7 @@ class MoE(nn.Module):
         # Only forwards that train count: not one under no_grad or inference_mode (an eval or
         # generation callback that left the module in training mode), whose counter would
         # also be an inference tensor that the next training forward cannot add to.
-        if self.training and bias is not None and torch.is_grad_enabled():
+        if self.training and bias is not None and torch.is_grad_enabled() and not _recomputing():
             with torch.no_grad():
                 if self._load_counts is None:
                     self._load_counts = torch.zeros_like(routing.counts)
@@ -275,7 +290,11 @@ class MoE(nn.Module):
         if dispatcher is None:
             dispatcher = default_dispatcher(self.experts.ep_mesh)
         local_x, offs, handle = dispatcher.dispatch(x, routing)
-        out = dispatcher.combine(self.experts(local_x, offs), handle).view(shape)
+        out = dispatcher.combine(self.experts(local_x, offs), handle)
+        if out.shape != shape:
+            # Not a view of the [T, H] result (autograd's view tracking): an in-place op on a
+            # view that an FSDP2 unit's forward returned breaks its backward.
+            out = torch.ops.aten._unsafe_view(out, shape)
         if return_router_outputs:
             return out, RouterOutput(logits, routing.counts, aux_loss)
         return out
