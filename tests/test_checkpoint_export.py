@@ -131,3 +131,40 @@ def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) 
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["dtype"] == "float32"
     with pytest.raises(ck.CheckpointError, match="notes.txt exists and is not a directory"):
         ck.export_hf(tiny_qwen3_moe(seed=0), out / "notes.txt")
+
+
+def _export_parallelized(rank: int, world: int, export_dir: str, dp: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import grouped_ep.hf
+    from grouped_ep.parallel import make_mesh
+
+    model = tiny_qwen3_moe(seed=0)
+    grouped_ep.hf.parallelize(model, make_mesh(dp, world // dp))  # EP + FSDP2, as documented
+    placements = {str(p.placements) for n, p in model.named_parameters() if ".experts." in n}
+    gathered: list[list[int]] = []
+    full_tensor = DTensor.full_tensor
+
+    def counting(self, *args, **kwargs):
+        gathered.append(list(self.shape))
+        return full_tensor(self, *args, **kwargs)
+
+    DTensor.full_tensor = counting
+    try:
+        ck.export_hf(model, export_dir, max_shard_size="10KB")
+    finally:
+        DTensor.full_tensor = full_tensor
+    return {"gathered": gathered, "placements": sorted(placements)}
+
+
+@pytest.mark.parametrize("dp,world", [(1, 2), (2, 4)])
+def test_export_after_parallelize_writes_experts_without_gathering_them(tmp_path, dp, world):
+    # FSDP2 over EP-sharded experts places them (_StridedShard(0) on "dp", Shard(0) on "ep"):
+    # each rank's rows are still one block of whole experts (before, every expert weight was
+    # gathered whole on every rank).
+    out = tmp_path / "hf"
+    results = run_ranks(_export_parallelized, world, str(out), dp, timeout=120 * world)
+    assert any("_StridedShard" in p for p in results[0]["placements"]), results[0]["placements"]
+    for r in results:
+        assert all(len(s) < 3 for s in r["gathered"]), r["gathered"]
+    _check_export(out)  # every key once, loads in transformers with the reference's logits

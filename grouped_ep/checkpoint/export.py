@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
@@ -176,13 +176,20 @@ def _renumber(key: str, position: int, first: int) -> str:
     return ".".join(parts)
 
 
+def _on_dim0(p: object) -> bool:
+    """A placement that keeps each rank's rows of dim 0 one contiguous block: `Replicate`, or
+    `Shard(0)`, or the `_StridedShard(0)` that FSDP2 puts on "dp" over experts already
+    `Shard(0)` on "ep" (each dp rank holds one contiguous part of its ep rank's block)."""
+    if type(p) is Replicate:
+        return True
+    return type(p).__name__ in ("Shard", "_StridedShard") and getattr(p, "dim", None) == 0
+
+
 def _local_block(t: torch.Tensor) -> tuple[int, int] | None:
     """(first expert, count) when this rank's shard of DTensor `t` is whole rows of dim 0."""
     if not isinstance(t, DTensor) or t.dim() < 1:
         return None
-    if any(
-        type(p) not in (Shard, Replicate) or (type(p) is Shard and p.dim != 0) for p in t.placements
-    ):
+    if not all(_on_dim0(p) for p in t.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(t.to_local().shape) != tuple(shape) or tuple(shape[1:]) != tuple(t.shape[1:]):
