@@ -19,7 +19,7 @@ from grouped_ep import checkpoint as ck
 
 def _export_ep(rank: int, world: int, export_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     model = tiny_qwen3_moe(seed=0)
     mesh = init_device_mesh("cpu", (world,))
@@ -28,6 +28,14 @@ def _export_ep(rank: int, world: int, export_dir: str) -> dict:
             placement = Shard(0) if p.dim() >= 2 else Replicate()  # experts: Shard(0) = EP
             sharded = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
             setattr(module, name, nn.Parameter(sharded))
+    index, gathered = _export_counting_gathers(model, export_dir)
+    return {"index": None if index is None else str(index), "gathered": gathered}
+
+
+def _export_counting_gathers(model: nn.Module, export_dir: str):
+    """`export_hf` of `model`, and the shapes of the DTensors it gathered whole."""
+    from torch.distributed.tensor import DTensor
+
     gathered: list[list[int]] = []
     full_tensor = DTensor.full_tensor
 
@@ -40,7 +48,7 @@ def _export_ep(rank: int, world: int, export_dir: str) -> dict:
         index = ck.export_hf(model, export_dir, max_shard_size="10KB")
     finally:
         DTensor.full_tensor = full_tensor
-    return {"index": None if index is None else str(index), "gathered": gathered}
+    return index, gathered
 
 
 def test_each_rank_writes_its_own_experts_without_gathering_them(tmp_path: Path) -> None:
@@ -134,7 +142,6 @@ def test_export_replaces_an_earlier_checkpoint_in_the_directory(tmp_path: Path) 
 
 
 def _export_parallelized(rank: int, world: int, export_dir: str, dp: int) -> dict:
-    from torch.distributed.tensor import DTensor
 
     import grouped_ep.hf
     from grouped_ep.parallel import make_mesh
@@ -142,18 +149,7 @@ def _export_parallelized(rank: int, world: int, export_dir: str, dp: int) -> dic
     model = tiny_qwen3_moe(seed=0)
     grouped_ep.hf.parallelize(model, make_mesh(dp, world // dp))  # EP + FSDP2, as documented
     placements = {str(p.placements) for n, p in model.named_parameters() if ".experts." in n}
-    gathered: list[list[int]] = []
-    full_tensor = DTensor.full_tensor
-
-    def counting(self, *args, **kwargs):
-        gathered.append(list(self.shape))
-        return full_tensor(self, *args, **kwargs)
-
-    DTensor.full_tensor = counting
-    try:
-        ck.export_hf(model, export_dir, max_shard_size="10KB")
-    finally:
-        DTensor.full_tensor = full_tensor
+    _, gathered = _export_counting_gathers(model, export_dir)
     return {"gathered": gathered, "placements": sorted(placements)}
 
 
