@@ -135,9 +135,8 @@ def _state(
 
 def _failures(e: CheckpointException) -> str:
     """Each failed rank's own error first, then DCP's report with the tracebacks."""
-    failures = getattr(e, "failures", None) or {}
     own = "; ".join(
-        f"rank {r}: {type(pair[0]).__name__}: {pair[0]}" for r, pair in sorted(failures.items())
+        f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items())
     )
     return f"{own}\n{e}" if own else str(e)
 
