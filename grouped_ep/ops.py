@@ -63,21 +63,61 @@ def _wrap_rows(out: Tensor, like: DTensor) -> DTensor:
     )
 
 
-def weight_grad_placements(w: DTensor) -> list[Placement]:
-    """Placements of `w`'s gradient: Shard(0) stays, Replicate() becomes Partial() (ranks saw
-    different tokens, so each holds a partial sum)."""
-    return [Partial() if isinstance(p, Replicate) else p for p in w.placements]
+def weight_grad_placements(w: DTensor, rows: Tensor | None = None) -> list[Placement]:
+    """Placements of `w`'s gradient: Shard(0) stays; Replicate() becomes Partial() (ranks saw
+    different tokens, so each holds a partial sum), except on a mesh dim where the rows
+    (`rows`, a DTensor x on w's mesh) are Replicate() too: every rank then summed the same
+    rows, and the gradient is Replicate() (Partial() would count it once per rank)."""
+    same_mesh = isinstance(rows, DTensor) and rows.device_mesh == w.device_mesh
+    return [
+        (Replicate() if same_mesh and isinstance(rows.placements[i], Replicate) else Partial())
+        if isinstance(p, Replicate)
+        else p
+        for i, p in enumerate(w.placements)
+    ]
 
 
-def _wrap_weight_grad(dw: Tensor, w: Tensor) -> Tensor:
+def _wrap_weight_grad(dw: Tensor, w: Tensor, rows: Tensor) -> Tensor:
     if isinstance(dw, DTensor):  # from a DTensor x: its local sum over this rank's rows
         dw = dw._local_tensor
     if not isinstance(w, DTensor):  # a plain weight gets a plain gradient (this rank's rows)
         return dw
     return DTensor.from_local(
-        dw, w.device_mesh, weight_grad_placements(w), run_check=False, shape=w.shape,
+        dw, w.device_mesh, weight_grad_placements(w, rows), run_check=False, shape=w.shape,
         stride=w.stride(),
     )  # fmt: skip
+
+
+def _check_rows_match_experts(x: Tensor, w: Tensor) -> None:
+    """A Replicate() x where w is Shard(0) on the same mesh dim: every rank would multiply the
+    same rows by different experts, an output no DTensor placement describes."""
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or x.device_mesh != w.device_mesh:
+        return
+    for i, (px, pw) in enumerate(zip(x.placements, w.placements)):
+        if isinstance(px, Replicate) and isinstance(pw, Shard):
+            raise ValueError(
+                f"grouped_ep.gemm: x is Replicate() on mesh dim {i} ({_mesh_dims(x)[i]!r}), where "
+                "w is Shard(0): each rank's experts would multiply the same rows. Pass each "
+                "rank's own rows for its experts: x as a plain tensor or a Shard(0) DTensor."
+            )
+
+
+def _rows_like(t: Tensor, x: Tensor, op: str, name: str) -> Tensor:
+    """The rows DTensor `t` (a gradient dy) laid out like the rows DTensor `x`: the loss taken on
+    a DTensor output gives dy the loss's layout (Replicate() for `y.sum()`), whose local tensor
+    is not this rank's rows."""
+    if not (isinstance(t, DTensor) and isinstance(x, DTensor)):
+        return t
+    if t.device_mesh != x.device_mesh or tuple(t.placements) != tuple(x.placements):
+        t = t.redistribute(x.device_mesh, x.placements)
+    if t._local_tensor.shape[0] != x._local_tensor.shape[0]:
+        raise ValueError(
+            f"grouped_ep.{op}: {name} has {t._local_tensor.shape[0]} local rows in x's layout "
+            f"{tuple(x.placements)}, x has {x._local_tensor.shape[0]}: x's Shard(0) rows are "
+            "uneven across ranks in a way DTensor cannot redistribute to. Take the loss on "
+            "y.to_local(), or pass x as a plain tensor."
+        )
+    return t
 
 
 def _args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
@@ -87,6 +127,7 @@ def _args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
 
 def _gemm_dtensor(mode, func, types, args, kwargs=None):
     x, w, offs, trans_w = _args(args, kwargs or {}, ("x", "w", "offs", "trans_w"))
+    _check_rows_match_experts(x, w)
     out = func(
         _local("gemm", "x", x, "rows split across ranks"),
         _local("gemm", "w", w, "experts split across ranks"),
@@ -98,6 +139,13 @@ def _gemm_dtensor(mode, func, types, args, kwargs=None):
 
 def _gemm_wgrad_dtensor(mode, func, types, args, kwargs=None):
     x, dy, offs, trans_w = _args(args, kwargs or {}, ("x", "dy", "offs", "trans_w"))
+    if isinstance(x, DTensor) and isinstance(dy, DTensor):
+        if x.device_mesh != dy.device_mesh or tuple(x.placements) != tuple(dy.placements):
+            raise ValueError(
+                f"grouped_ep.gemm_wgrad: x is {tuple(x.placements)} and dy is "
+                f"{tuple(dy.placements)}; both must hold this rank's rows in the same layout "
+                "(redistribute dy to x's placements first)"
+            )
     out = func(
         _local("gemm_wgrad", "x", x, "rows split across ranks"),
         _local("gemm_wgrad", "dy", dy, "rows split across ranks"),
@@ -121,7 +169,7 @@ torch.library.register_torch_dispatch("grouped_ep::gemm_wgrad", DTensor, _gemm_w
 # ---- gemm ----------------------------------------------------------------------------------------
 
 
-def gemm(x: Tensor, w: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor:
+def gemm(x: Tensor, w: Tensor, offs: Tensor, trans_w: bool = False) -> Tensor:
     """Grouped matrix product: group g's rows of `x` times expert g's weight.
 
     The same as `torch.ops.grouped_ep.gemm(x, w, offs, trans_w)`, which model code may call
@@ -192,12 +240,13 @@ def _gemm_setup_context(ctx, inputs, output) -> None:
 
 def _gemm_backward(ctx, dy: Tensor):
     x, w, offs = ctx.saved_tensors
+    dy = _rows_like(dy, x, "gemm", "dy")
     dx = dw = None
     if ctx.needs_input_grad[0]:
         # dx_g = dy_g @ w_g^T: the same op with w read the other way round.
         dx = _ops.gemm(dy, w, offs, not ctx.trans_w)
     if ctx.needs_input_grad[1]:
-        dw = _wrap_weight_grad(_ops.gemm_wgrad(x, dy, offs, ctx.trans_w), w)
+        dw = _wrap_weight_grad(_ops.gemm_wgrad(x, dy, offs, ctx.trans_w), w, x)
     return dx, dw, None, None
 
 
@@ -209,7 +258,7 @@ torch.library.register_autograd(
 # ---- gemm_wgrad ----------------------------------------------------------------------------------
 
 
-def gemm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, *, trans_w: bool = False) -> Tensor:
+def gemm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, trans_w: bool = False) -> Tensor:
     """Weight gradient of `gemm`, the "ragged K" product, one output per group.
 
     The same as `torch.ops.grouped_ep.gemm_wgrad(x, dy, offs, trans_w)`.

@@ -202,3 +202,65 @@ def _fails_on_rank_1(rank: int, world: int):
     if rank == 1:
         raise ValueError("boom")
     return rank
+
+
+def _loss_on_dtensor_output(rank: int, world: int):
+    """The loss taken on the DTensor output itself (`y.sum()`), not on `y.to_local()`: dy then
+    arrives Replicate(), and before it was read as this rank's rows (rank 1's dx was zeros, or
+    gemm_wgrad refused 'dy has 6 rows but x has 3'); x and w Replicate() gave a weight gradient
+    counted once per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import grouped_ep  # noqa: F401
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    w, x, dy, sizes = _problem(0, False)
+    offs = offsets(sizes)
+    mine = slice(rank * 3, rank * 3 + 3)  # global rows: [x; x + 1], 3 per rank, one group
+    xs = torch.cat([x[:3], x[:3] + 1])
+    w1 = w[:1]
+    out = {}
+    for w_kind in ("plain", "replicate"):
+        x_dt = DTensor.from_local(xs[mine].clone(), mesh, [Shard(0)], run_check=False)
+        x_dt.requires_grad_(True)
+        wp = w1.clone()
+        wp = DTensor.from_local(wp, mesh, [Replicate()]) if w_kind == "replicate" else wp
+        wp.requires_grad_(True)
+        y = torch.ops.grouped_ep.gemm(x_dt, wp, torch.tensor([3], dtype=torch.int32), False)
+        y.sum().backward()
+        assert x_dt.grad.placements == (Shard(0),), x_dt.grad.placements
+        gw = wp.grad.full_tensor() if isinstance(wp.grad, DTensor) else wp.grad
+        out[w_kind] = (x_dt.grad.to_local(), gw)
+    # x and w both Replicate(): the same rows on every rank, a Replicate() gradient once.
+    x_rep = DTensor.from_local(x.clone(), mesh, [Replicate()]).requires_grad_(True)
+    w_rep = DTensor.from_local(w.clone(), mesh, [Replicate()]).requires_grad_(True)
+    torch.ops.grouped_ep.gemm(x_rep, w_rep, offs, False).sum().backward()
+    assert w_rep.grad.placements == (Replicate(),), w_rep.grad.placements
+    out["both_replicate"] = (x_rep.grad.to_local(), w_rep.grad.full_tensor())
+    # x Replicate() against experts split over the same mesh dim has no meaning: refused.
+    w_sh = DTensor.from_local(w[rank * 3 : rank * 3 + 3].clone(), mesh, [Shard(0)])
+    try:
+        torch.ops.grouped_ep.gemm(x_rep, w_sh, offs[:3], False)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_loss_on_dtensor_output_gives_the_right_gradients():
+    w, x, dy, sizes = _problem(0, False)
+    xs, w1 = torch.cat([x[:3], x[:3] + 1]), w[:1]
+    ones = torch.ones(3, N, dtype=torch.float64)
+    for rank, out in enumerate(run_ranks(_loss_on_dtensor_output, 2, timeout=120)):
+        for kind in ("plain", "replicate"):
+            dx, gw = out[kind]
+            assert_close(dx, ones @ w1[0].T, torch.float64)
+            # plain w: this rank's rows' sum; Replicate() w: Partial, summed over both ranks
+            rows = xs[rank * 3 : rank * 3 + 3] if kind == "plain" else xs
+            assert_close(gw[0], rows.T @ torch.ones(rows.shape[0], N, dtype=torch.float64), torch.float64)
+        dx, gw = out["both_replicate"]
+        offs = offsets(sizes)
+        assert_close(dx, gemm_ref(torch.ones(x.shape[0], N, dtype=torch.float64), w, offs, True), torch.float64)
+        assert_close(gw, wgrad_ref(x, torch.ones(x.shape[0], N, dtype=torch.float64), offs), torch.float64)
+        assert "x is Replicate() on mesh dim 0 ('ep'), where w is Shard(0)" in out["error"]

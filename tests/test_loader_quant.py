@@ -51,19 +51,27 @@ def test_fp8_every_byte_equals_transformers(dtype):
     _exact(out[0], want, "fp8")
 
 
+def _every_byte_with_every_exponent() -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks [1, 4096, 1, 16] and scales [1, 4096, 1]: row 16 e + j holds the bytes
+    16 j .. 16 j + 15 (so 16 rows hold all 256) under exponent e, for every e in 0..255."""
+    rows = torch.arange(256 * 16)
+    blocks = ((rows % 16 * 16).view(-1, 1) + torch.arange(16)).to(torch.uint8)
+    scales = (rows // 16).to(torch.uint8)
+    return blocks.view(1, -1, 1, 16), scales.view(1, -1, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mxfp4_every_nibble_and_exponent_equals_transformers(dtype):
-    blocks = torch.arange(256, dtype=torch.uint8).view(1, 256, 1, 1).expand(2, 256, 1, 16).clone()
-    blocks[1] = blocks[1].flip(-1)
-    scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(2, 256, 1).clone()
-    want = ref_mxfp4(blocks, scales, dtype)  # [2, 256, 32]: every byte with every exponent
-    from grouped_ep.loading.dequant import e8m0_to_float
-
-    out = torch.empty(2, 256, 32, dtype=dtype)
+    """Every FP4 nibble (both halves of every byte) under every E8M0 exponent, 0 and 255
+    included (255: 0.5 * 2^128 is 2^127, 0 * 2^128 is 0, as transformers' ldexp gives)."""
+    blocks, scales = _every_byte_with_every_exponent()
+    want = ref_mxfp4(blocks, scales, dtype)  # [1, 4096, 32]
+    assert want[0, 255 * 16, 0] == 0 and want[0, 255 * 16, 2] == 2.0**127 or dtype == torch.float16
+    out = torch.empty(want.shape, dtype=dtype)
     torch.ops.grouped_ep.dequantize(
-        blocks.view(2, 256, 16),
-        e8m0_to_float(scales),
-        torch.arange(256),
+        blocks.view(1, -1, 16),
+        scales,
+        torch.arange(scales.shape[1]),
         torch.zeros(32, dtype=torch.long),
         out,
         "mxfp4",
@@ -74,7 +82,7 @@ def test_mxfp4_every_nibble_and_exponent_equals_transformers(dtype):
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
 def test_device_path_arithmetic_equals_transformers(kind):
     """dequantize_torch is what CUDA destinations run; here it runs on CPU tensors."""
-    from grouped_ep.loading.dequant import dequantize_torch, e8m0_to_float
+    from grouped_ep.loading.dequant import dequantize_torch
 
     if kind == "fp8":
         q = torch.arange(256, dtype=torch.uint8).repeat(4).view(16, 64)
@@ -82,13 +90,12 @@ def test_device_path_arithmetic_equals_transformers(kind):
         want = ref_fp8(q.view(torch.float8_e4m3fn), s, (4, 32), torch.bfloat16)[None]
         args = (q[None], s[None], torch.arange(16) // 4, torch.arange(64) // 32)
     else:
-        blocks = torch.arange(256, dtype=torch.uint8).view(1, 256, 1, 1).expand(1, 256, 1, 16)
-        scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1)
-        want = ref_mxfp4(blocks.contiguous(), scales, torch.bfloat16)
+        blocks, scales = _every_byte_with_every_exponent()
+        want = ref_mxfp4(blocks, scales, torch.bfloat16)
         args = (
-            blocks.reshape(1, 256, 16),
-            e8m0_to_float(scales),
-            torch.arange(256),
+            blocks.reshape(1, -1, 16),
+            scales,
+            torch.arange(scales.shape[1]),
             torch.zeros(32, dtype=torch.long),
         )
     out = torch.empty(want.shape, dtype=torch.bfloat16)
@@ -246,6 +253,23 @@ def test_mxfp4_scales_of_wrong_shape(tmp_path):
     _assert_untouched(model, 3.0)
 
 
+def test_stack_mixing_quantized_and_plain_keys_names_both(tmp_path):
+    want, _ = write_fp8(tmp_path)
+    key = "model.layers.0.mlp.experts.2.down_proj.weight"
+    plain = want["model.layers.0.mlp.experts.down_proj"][2].to(torch.bfloat16).contiguous()
+    file = _rewrite(tmp_path, key, plain)
+    _rewrite(tmp_path, key[: -len("weight")] + "weight_scale_inv", None)
+    model = _filled("fp8")
+    with pytest.raises(
+        LoadError,
+        match=rf"experts.down_proj: checkpoint tensors mix quantized and plain dtypes: {file}: "
+        rf"'{key}' is torch.bfloat16, .*\.safetensors: 'model.layers.0.mlp.experts.0.down_proj"
+        r".weight' is torch.float8_e4m3fn",
+    ):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)
+
+
 def test_unknown_quant_method(tmp_path):
     write_fp8(tmp_path, qc={"quant_method": "awq", "bits": 4})
     model = _filled("fp8")
@@ -349,6 +373,8 @@ def test_ep2_equals_transformers_and_reads_only_covering_scales(tmp_path):
         assert report.scale_bytes_read == attn_scales + expert_scales
         assert report.quantized_bytes_read == 25 * 72 + 2 * 3 * 40 * 72
         assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+        # The other rank's experts' scales are used, not unused (they were listed before).
+        assert report.unused_keys == [] and report.missing == []
         report, got = out["mxfp4"]
         for k in wantmx:
             _exact(got[k], wantmx[k], f"rank {rank} {k}")
@@ -358,6 +384,10 @@ def test_ep2_equals_transformers_and_reads_only_covering_scales(tmp_path):
         )
         assert report.scale_bytes_read == sum(v for k, v in half.items() if k.endswith("_scales"))
         assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
+        assert report.unused_keys == [
+            "model.layers.0.mlp.experts.down_proj_bias",
+            "model.layers.0.mlp.experts.gate_up_proj_bias",
+        ]
 
 
 def _dp2_ep2_body(rank, world, fp8_dir, mx_dir):

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
+#include <type_traits>
 #include <algorithm>
 #include <string>
 #include <system_error>
@@ -37,14 +39,26 @@ const std::array<float, 256>& fp8_table() {
   return table;
 }
 
-template <typename T, bool kFp4Packed>
+// One table entry: code * scale, rounded once to T. An mxfp4 scale given as its uint8 E8M0
+// exponent e means 2^(e - 127), applied with ldexp as transformers does (torch.ldexp): exact for
+// every e, 255 included (0 stays 0, 0.5 * 2^128 = 2^127), where a float scale cannot hold 2^128.
+template <typename T, typename S>
+T scaled(float code, S s) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    return static_cast<T>(std::ldexp(code, static_cast<int>(s) - 127));
+  } else {
+    return static_cast<T>(code * s);
+  }
+}
+
+template <typename T, bool kFp4Packed, typename S>
 void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const int64_t* cb,
          at::Tensor& out, int64_t threads) {
   const int64_t A = out.size(0), R = out.size(1), C = out.size(2);
   const auto qs = q.strides();
   const auto os = out.strides();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const S* sp = scale.data_ptr<S>();
   const int64_t SR = scale.size(1), SC = scale.size(2);
   T* op = out.data_ptr<T>();
   const float* codes = kFp4Packed ? kFp4.data() : fp8_table().data();
@@ -59,10 +73,10 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
       const int64_t a = ar / R, i = ar % R;
       const int64_t scale_row = a * SR + rb[i];
       if (scale_row != table_row) {
-        const float* srow = sp + scale_row * SC;
+        const S* srow = sp + scale_row * SC;
         for (int64_t c = 0; c < SC; ++c) {
           for (int64_t k = 0; k < kCodes; ++k) {
-            table[c * kCodes + k] = static_cast<T>(codes[k] * srow[c]);
+            table[c * kCodes + k] = scaled<T>(codes[k], srow[c]);
           }
         }
         table_row = scale_row;
@@ -98,7 +112,8 @@ void run(const at::Tensor& q, const at::Tensor& scale, const int64_t* rb, const 
   work(0, std::min(rows, per));
 }
 
-// q: uint8 [A, R, C] (fp8 bytes) or [A, R, C/2] (mxfp4); scale: float32 [A, SR, SC] contiguous;
+// q: uint8 [A, R, C] (fp8 bytes) or [A, R, C/2] (mxfp4); scale: float32 [A, SR, SC] contiguous
+// (mxfp4 also uint8: the E8M0 exponents, see `scaled`);
 // row_block: int64 [R] in [0, SR); col_block: int64 [C] in [0, SC); out: [A, R, C] bf16/fp16/fp32.
 void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& row_block,
                     const at::Tensor& col_block, at::Tensor out, c10::string_view format,
@@ -117,8 +132,11 @@ void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tens
            ": q has shape ", q.sizes(), " but out ", out.sizes(), " needs ",
            fp4 ? "[A, R, C/2] (two FP4 values per byte)" : "[A, R, C]");
   GE_CHECK(!fp4 || C % 2 == 0, op, ": mxfp4 out must have an even number of columns, got ", C);
-  GE_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu(),
-           op, ": scale must be a contiguous float32 CPU tensor, got ", scale.scalar_type());
+  const bool e8m0 = scale.scalar_type() == at::kByte;
+  GE_CHECK((scale.scalar_type() == at::kFloat || (fp4 && e8m0)) && scale.is_contiguous() &&
+               scale.device().is_cpu(),
+           op, ": scale must be a contiguous float32 CPU tensor (or, for mxfp4, uint8 E8M0 exponents), got ",
+           scale.scalar_type(), scale.is_contiguous() ? "" : " (not contiguous)", " on ", scale.device());
   GE_CHECK(scale.size(0) == A, op, ": scale has ", scale.size(0), " leading entries, out ", A);
   for (const auto* m : {&row_block, &col_block}) {
     GE_CHECK(m->scalar_type() == at::kLong && m->dim() == 1 && m->is_contiguous() && m->device().is_cpu(), op,
@@ -143,7 +161,9 @@ void dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, const at::Tens
   switch (out.scalar_type()) {
 #define GE_DEQUANT_CASE(ST, T)                                          \
   case at::ST:                                                          \
-    fp4 ? run<T, true>(q, scale, rb, cb, out, threads) : run<T, false>(q, scale, rb, cb, out, threads); \
+    if (e8m0) run<T, true, uint8_t>(q, scale, rb, cb, out, threads);  \
+    else if (fp4) run<T, true, float>(q, scale, rb, cb, out, threads); \
+    else run<T, false, float>(q, scale, rb, cb, out, threads);         \
     break;
     GE_DEQUANT_CASE(kFloat, float)
     GE_DEQUANT_CASE(kBFloat16, at::BFloat16)

@@ -38,18 +38,12 @@ FP4_VALUES = (
 )
 
 
-def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 exponents -> float32 2^(e - 127), exactly: 0 -> 2^-127 (subnormal), 255 -> inf
-    (transformers computes `ldexp` with pow(2.0, e - 127) in fp32, which gives the same)."""
-    bits = exponents.to(torch.int32) << 23
-    bits = torch.where(exponents == 0, torch.full_like(bits, 0x00400000), bits)
-    return bits.view(torch.float32)
-
-
 def _scales(raw: torch.Tensor, method: str, qp: QuantPiece) -> torch.Tensor:
     n = int(np.prod(qp.scale_shape)) * qp.scale.dtype.itemsize
     s = raw[qp.scale_at : qp.scale_at + n].view(qp.scale.dtype).reshape(qp.scale_shape)
-    return e8m0_to_float(s) if method == "mxfp4" else s.to(torch.float32)
+    # mxfp4: the uint8 E8M0 exponents themselves (2^(e - 127) is applied with ldexp: no float32
+    # holds 2^128, the scale of exponent 255).
+    return s.contiguous() if method == "mxfp4" else s.to(torch.float32)
 
 
 def _views(target: Target, data: torch.Tensor, qp: QuantPiece) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,13 +68,17 @@ def dequantize_torch(
     out: torch.Tensor,
 ) -> None:
     """out[a, i, j] = value(q, a, i, j) * scale[a, row_block[i], col_block[j]] in fp32, on any
-    device. q: [A, R, C] uint8 (fp8 bytes) or [A, R, C / 2] (FP4 pairs); out: [A, R, C]."""
+    device. q: [A, R, C] uint8 (fp8 bytes) or [A, R, C / 2] (FP4 pairs); out: [A, R, C]. mxfp4's
+    scale may be uint8 E8M0 exponents e, applied as ldexp(value, e - 127) like transformers."""
+    s = scale.index_select(1, row_block).index_select(2, col_block)
     if method == "mxfp4":
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=q.device)
         vals = torch.stack([lut[(q & 0xF).long()], lut[(q >> 4).long()]], dim=-1).flatten(-2)
+        if s.dtype == torch.uint8:
+            out.copy_(torch.ldexp(vals, s.to(torch.int32) - 127))
+            return
     else:
         vals = q.view(torch.float8_e4m3fn).to(torch.float32)
-    s = scale.index_select(1, row_block).index_select(2, col_block)
     out.copy_(vals * s)
 
 

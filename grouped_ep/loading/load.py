@@ -221,7 +221,7 @@ def load_sharded(
         used.update(p.entry.key for p in target.pieces)
         if is_quantized(quant_cfg, target, ckpt):
             plan_quant(target, quant_cfg, ckpt, file_ids, device)
-            used.update(qp.scale.key for qp in target.quant.pieces)
+            used.update(target.quant.scale_keys)
             quantized.append(target)
             continue
         plan_target(target, file_ids, device)

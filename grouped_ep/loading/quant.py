@@ -147,6 +147,7 @@ class QuantPlan:
     scale_bytes: int
     rows: np.ndarray
     data_bytes: int
+    scale_keys: tuple[str, ...] = ()  # every piece's scale key, this rank's share or not
 
 
 def _scale_entry(cfg: QuantConfig, piece: Piece, ckpt: Checkpoint) -> tuple[TensorEntry, tuple]:
@@ -197,7 +198,12 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
             f"{e.path}: {e.key!r} is quantized ({e.dtype}, scales {scale!r}) but {said}"
         )
     if len(quant) != len(target.pieces):
-        raise LoadError(f"{target.name}: checkpoint tensors mix quantized and plain dtypes")
+        plain = next(p.entry for p in target.pieces if all(p is not x for x in quant))
+        q = quant[0].entry
+        raise LoadError(
+            f"{target.name}: checkpoint tensors mix quantized and plain dtypes: {plain.path}: "
+            f"{plain.key!r} is {plain.dtype}, {q.path}: {q.key!r} is {q.dtype}"
+        )
     if not all(p.is_whole for p in quant):
         raise LoadError(
             f"{target.name}: its quantized checkpoint tensors hold it only in part (a fused or "
@@ -259,7 +265,7 @@ def plan_quant(
     byte_global = gshape[:-1] + (gshape[-1] // pack,)
     nd = len(gshape)
     files, srcs, dsts, lens, outs = [], [], [], [], []
-    pieces, scale_at = [], 0
+    pieces, scale_at, scale_keys = [], 0, []
 
     def add(entry: TensorEntry, out: int, ranges, base: int = 0) -> None:
         src, dst, length = ranges
@@ -271,6 +277,7 @@ def plan_quant(
 
     for piece in target.pieces:
         scale, (br, bc) = _scale_entry(cfg, piece, ckpt)
+        scale_keys.append(scale.key)  # used even where the piece is another rank's
         bytes_piece = Piece(
             piece.entry,
             piece.offset[:-1] + (piece.offset[-1] // pack,),
@@ -312,7 +319,9 @@ def plan_quant(
             f"{target.name}: checkpoint keys cover {planned} of the {data_bytes} quantized bytes "
             f"of this rank's shard {target.local_shape}"
         )
-    target.quant = QuantPlan(cfg.method, pieces, data_shape, scale_at, rows, data_bytes)
+    target.quant = QuantPlan(
+        cfg.method, pieces, data_shape, scale_at, rows, data_bytes, tuple(scale_keys)
+    )
     target.rows = rows[:, [0, 2, 3, 4]]
 
 
