@@ -258,9 +258,17 @@ def test_loss_on_dtensor_output_gives_the_right_gradients():
             assert_close(dx, ones @ w1[0].T, torch.float64)
             # plain w: this rank's rows' sum; Replicate() w: Partial, summed over both ranks
             rows = xs[rank * 3 : rank * 3 + 3] if kind == "plain" else xs
-            assert_close(gw[0], rows.T @ torch.ones(rows.shape[0], N, dtype=torch.float64), torch.float64)
+            assert_close(
+                gw[0], rows.T @ torch.ones(rows.shape[0], N, dtype=torch.float64), torch.float64
+            )
         dx, gw = out["both_replicate"]
         offs = offsets(sizes)
-        assert_close(dx, gemm_ref(torch.ones(x.shape[0], N, dtype=torch.float64), w, offs, True), torch.float64)
-        assert_close(gw, wgrad_ref(x, torch.ones(x.shape[0], N, dtype=torch.float64), offs), torch.float64)
+        assert_close(
+            dx,
+            gemm_ref(torch.ones(x.shape[0], N, dtype=torch.float64), w, offs, True),
+            torch.float64,
+        )
+        assert_close(
+            gw, wgrad_ref(x, torch.ones(x.shape[0], N, dtype=torch.float64), offs), torch.float64
+        )
         assert "x is Replicate() on mesh dim 0 ('ep'), where w is Shard(0)" in out["error"]

@@ -446,3 +446,72 @@ def test_dp2_ep2_equals_transformers(tmp_path):
             128 * len({c // 32 for c in cols_gu}) + 96 * len({c // 32 for c in cols_dn})
         )
         assert mx.scale_bytes_read == want_scales, (rank, ep)
+
+
+# ---- MXFP4 into transformers' own gpt-oss model ----------------------------------------------
+
+
+def _gpt_oss_mxfp4(path, hidden: int, inter: int):
+    """A tiny transformers GptOssForCausalLM saved as gpt-oss ships: experts as MXFP4 blocks and
+    scales in the file's [E, R, C] orientation (transformers' parameters are [E, C, R])."""
+    from _quant_ckpt import quantize_mxfp4
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).float()
+    tensors, want = {}, {}
+    for k, v in model.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(torch.randn(v.transpose(1, 2).shape))
+            tensors[f"{k}_blocks"], tensors[f"{k}_scales"] = blocks, scales
+            want[k] = ref_mxfp4(blocks, scales, torch.float32).transpose(1, 2)  # transformers'
+        else:
+            tensors[k] = v.contiguous()
+            want[k] = v
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = cfg.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (path / "config.json").write_text(json.dumps(config))
+    return cfg, want
+
+
+@pytest.mark.parametrize(
+    "hidden,inter", [(64, 64), (64, 32)], ids=["down_square", "gate_up_square"]
+)
+def test_mxfp4_into_transformers_gpt_oss_takes_its_orientation(tmp_path, hidden, inter):
+    """transformers' gpt-oss experts hold the dequantized tensors with their last two dims swapped
+    (convert_moe_packed_tensors transposes). With hidden == intermediate (real gpt-oss: 2880 and
+    2880) down_proj is square, with hidden == 2 x intermediate gate_up_proj is: the file's
+    orientation would then load without a shape error, transposed."""
+    from transformers import GptOssForCausalLM
+
+    cfg, want = _gpt_oss_mxfp4(tmp_path / "ckpt", hidden, inter)
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg).float()
+    report = load_sharded(model, tmp_path / "ckpt")
+    assert report.missing == [] and report.unused_keys == []
+    got = model.state_dict()
+    for k, v in want.items():
+        _exact(got[k], v, k)
+    ref = GptOssForCausalLM(cfg).float()
+    ref.load_state_dict(want)
+    ids = torch.arange(12).view(2, 6)
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_mxfp4_without_quantization_config_names_the_keys(tmp_path):
+    write_mxfp4(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    model = _filled("mxfp4")
+    with pytest.raises(
+        LoadError,
+        match=r"\.safetensors: model tensor 'model.layers.0.mlp.experts.(gate_up|down)_proj' is "
+        r"stored as MXFP4 .* but no config.json quantization_config says so",
+    ):
+        load_sharded(model, tmp_path)
+    _assert_untouched(model, 3.0)

@@ -53,7 +53,7 @@ def _views(target: Target, data: torch.Tensor, qp: QuantPiece) -> tuple[torch.Te
     box = qp.box
     dbox = box[:-1] + (slice(box[-1].start // pack, box[-1].stop // pack),)
     q = data.view(plan.data_shape)[dbox]
-    out = target.fresh[box]
+    out = (target.fresh.transpose(-1, -2) if plan.transposed else target.fresh)[box]
     if out.ndim == 2:
         q, out = q.unsqueeze(0), out.unsqueeze(0)
     return q, out

@@ -68,6 +68,31 @@ class LoadReport:
     scale_bytes_read: int = 0
 
 
+def _owned_by_transformers(model: nn.Module, name: str) -> bool:
+    """Whether the module holding tensor `name` is a transformers class (its MXFP4 experts take
+    the dequantized tensor with its last two dims swapped, as transformers loads them)."""
+    owner = model.get_submodule(name.rpartition(".")[0])
+    return type(owner).__module__.startswith("transformers.")
+
+
+def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:
+    """A model tensor found only as MXFP4 `{name}_blocks` while no quantization_config says
+    mxfp4: name the keys and the missing config (not 'no checkpoint key')."""
+    for name in names:
+        blocks = f"{name}_blocks"
+        if blocks in ckpt and f"{name}_scales" in ckpt:
+            said = (
+                "no config.json quantization_config says so"
+                if quant_cfg is None
+                else (f"{quant_cfg.source} says quant_method {quant_cfg.method!r}")
+            )
+            raise LoadError(
+                f"{ckpt[blocks].path}: model tensor {name!r} is stored as MXFP4 ({blocks!r}, "
+                f"'{name}_scales') but {said}; an MXFP4 checkpoint's config.json needs "
+                '"quantization_config": {"quant_method": "mxfp4"}'
+            )
+
+
 def _targets(model: nn.Module) -> list[Target]:
     """Parameters and persistent buffers, each distinct tensor once with all its names."""
     by_id: dict[int, Target] = {}
@@ -213,14 +238,18 @@ def load_sharded(
             )
     for target in targets:
         shape = tuple(target.tensor.shape)
+        hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
         if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
-            target.pieces = mxfp4_pieces(target.names, shape, ckpt)
+            hf_layout = _owned_by_transformers(model, target.names[0])
+            target.pieces = mxfp4_pieces(target.names, shape, ckpt, hf_layout)
+        elif not target.pieces:
+            _refuse_unconfigured_mxfp4(target.names, ckpt, quant_cfg)
         if not target.pieces:
             missing.append(target.name)
             continue
         used.update(p.entry.key for p in target.pieces)
         if is_quantized(quant_cfg, target, ckpt):
-            plan_quant(target, quant_cfg, ckpt, file_ids, device)
+            plan_quant(target, quant_cfg, ckpt, file_ids, device, hf_layout)
             used.update(target.quant.scale_keys)
             quantized.append(target)
             continue

@@ -94,9 +94,15 @@ def fp8_scale_key(key: str) -> str:
     )
 
 
-def mxfp4_pieces(names: list[str], shape: tuple[int, ...], ckpt: Checkpoint) -> list[Piece]:
+def mxfp4_pieces(
+    names: list[str], shape: tuple[int, ...], ckpt: Checkpoint, transposed: bool = False
+) -> list[Piece]:
     """A model tensor stored as `{name}_blocks` / `{name}_scales`: one piece, in the dequantized
-    shape `[..., R, 32 G]`, whose entry is the blocks tensor. [] if there are no such keys."""
+    shape `[..., R, 32 G]`, whose entry is the blocks tensor. [] if there are no such keys.
+    transposed: the model tensor is `[..., 32 G, R]` (transformers' gpt-oss experts, which
+    `convert_moe_packed_tensors` fills with the dequantized tensor's last two dims swapped)."""
+    if transposed:
+        shape = shape[:-2] + (shape[-1], shape[-2])
     for name in names:
         blocks = f"{name}_blocks"
         if blocks not in ckpt:
@@ -109,9 +115,13 @@ def mxfp4_pieces(names: list[str], shape: tuple[int, ...], ckpt: Checkpoint) -> 
             )
         logical = entry.shape[:-2] + (entry.shape[-2] * MXFP4_BLOCK,)
         if logical != shape:
+            got, want = list(logical), list(shape)
+            if transposed:  # both in the model's orientation
+                got, want = got[:-2] + got[:-3:-1], want[:-2] + want[:-3:-1]
+            how = " and transformers' swap of its last two dims" if transposed else ""
             raise LoadError(
-                f"{entry.path}: shape mismatch for {blocks!r}: it dequantizes to {list(logical)}, "
-                f"model tensor {name!r} is {list(shape)}"
+                f"{entry.path}: shape mismatch for {blocks!r}: it dequantizes{how} to {got}, "
+                f"model tensor {name!r} is {want}"
             )
         return [Piece(entry, (0,) * len(shape), shape)]
     return []
@@ -148,6 +158,7 @@ class QuantPlan:
     rows: np.ndarray
     data_bytes: int
     scale_keys: tuple[str, ...] = ()  # every piece's scale key, this rank's share or not
+    transposed: bool = False  # the model tensor holds the file's last two dims swapped
 
 
 def _scale_entry(cfg: QuantConfig, piece: Piece, ckpt: Checkpoint) -> tuple[TensorEntry, tuple]:
@@ -226,8 +237,11 @@ def plan_quant(
     ckpt: Checkpoint,
     file_ids: dict[str, int],
     device: torch.device | None,
+    transposed: bool = False,
 ) -> None:
-    """Fill `target.quant` (a `QuantPlan`), `local_shape`, `device` and `read_dtype`."""
+    """Fill `target.quant` (a `QuantPlan`), `local_shape`, `device` and `read_dtype`.
+    transposed: the model tensor is the file's tensor with its last two dims swapped (pieces,
+    ranges and scales are then planned in the file's orientation)."""
     t = target.tensor
     if t.dtype not in OUT_DTYPES:
         src = target.pieces[0].entry if target.pieces else None
@@ -252,6 +266,10 @@ def plan_quant(
     target.device = (
         torch.device(device or "cpu") if t.is_meta else getattr(t, "_local_tensor", t).device
     )
+    if transposed:  # from here on, the file's orientation
+        full = full[:-2] + [full[-1], full[-2]]
+        gshape = gshape[:-2] + (gshape[-1], gshape[-2])
+    local_shape = tuple(len(o) for o in full)
     pack = 2 if cfg.method == "mxfp4" else 1  # values per stored byte, on the last dim
     if pack == 2:
         cols = full[-1]
@@ -260,7 +278,7 @@ def plan_quant(
                 f"{target.name}: this rank's columns split a packed MXFP4 byte (two values); "
                 "shard the last dim on even boundaries"
             )
-    data_shape = target.local_shape[:-1] + (target.local_shape[-1] // pack,)
+    data_shape = local_shape[:-1] + (local_shape[-1] // pack,)
     byte_owned = full[:-1] + [full[-1][0::pack] // pack]
     byte_global = gshape[:-1] + (gshape[-1] // pack,)
     nd = len(gshape)
@@ -320,7 +338,7 @@ def plan_quant(
             f"of this rank's shard {target.local_shape}"
         )
     target.quant = QuantPlan(
-        cfg.method, pieces, data_shape, scale_at, rows, data_bytes, tuple(scale_keys)
+        cfg.method, pieces, data_shape, scale_at, rows, data_bytes, tuple(scale_keys), transposed
     )
     target.rows = rows[:, [0, 2, 3, 4]]
 
