@@ -43,3 +43,56 @@ def test_counts_match_transformers_router_logits(implementation):
 def test_model_without_experts_is_an_error():
     with pytest.raises(ValueError, match="Linear has no transformers experts module"):
         ExpertLoadCounter(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_recompute_is_not_counted(reentrant):
+    """The recompute in backward ran the counter's pre-hook again: every count was doubled."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_qwen3_moe_config(num_hidden_layers=2)
+    model = Qwen3MoeForCausalLM(config).train()
+    model.set_experts_implementation("grouped_ep")
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # the older name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    counter = ExpertLoadCounter(model)
+    ids = torch.randint(0, 256, (2, 7))
+    model(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert counter.local_counts().sum(1).tolist() == [14 * config.num_experts_per_tok] * 2
+
+
+def test_transformers_expert_parallel_sentinel_routes():
+    """transformers' own expert parallel marks routes to other ranks' experts with the id
+    num_experts and weight 0: eager skips them; "grouped_ep" indexed out of range, and so did the
+    counter."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    config = tiny_qwen3_moe_config()
+    experts = Qwen3MoeExperts(config)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.2)
+    experts._is_expert_parallel = True
+    e = experts.num_experts
+    x = torch.randn(4, config.hidden_size)
+    ids = torch.tensor([[0, e], [e, 1], [2, 0], [e, e]])
+    weights = torch.tensor([[0.6, 0.0], [0.0, 0.3], [0.5, 0.5], [0.0, 0.0]])
+    out = {}
+    for impl in ("eager", "grouped_ep"):
+        config._experts_implementation = impl
+        xi = x.clone().requires_grad_(True)
+        y = experts(xi, ids, weights)
+        y.sum().backward()
+        out[impl] = (y.detach(), xi.grad, experts.gate_up_proj.grad.clone())
+        experts.zero_grad()
+    for a, b in zip(out["eager"], out["grouped_ep"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * a.abs().max().item())
+    model = nn.Sequential()
+    model.add_module("experts", experts)
+    counter = ExpertLoadCounter(model)
+    experts(x, ids, weights)
+    assert counter.local_counts()[0].tolist() == [2, 1, 1] + [0] * (e - 3)

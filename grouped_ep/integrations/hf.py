@@ -127,6 +127,14 @@ def grouped_ep_experts_forward(
         all-to-all; one host sync per layer for the split sizes.
     """
     check_supported(self)
+    if getattr(self, "_is_expert_parallel", False):
+        # transformers' own expert parallel: num_experts is this rank's count, and routes to
+        # other ranks' experts carry the id num_experts with weight 0. They are sent to the last
+        # local expert with weight 0 (as transformers' batched_mm does): no contribution, no
+        # gradient, and no out-of-range index.
+        sentinel = top_k_index >= self.num_experts
+        top_k_weights = top_k_weights.masked_fill(sentinel, 0)
+        top_k_index = top_k_index.clamp(max=self.num_experts - 1)
     # transformers' "transposed" layout is [E, in, out]; the default one is nn.Linear's.
     trans_w = not getattr(self, "is_transposed", False)
     has_gate = getattr(self, "has_gate", True)

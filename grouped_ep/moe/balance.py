@@ -1,10 +1,13 @@
-"""Load balancing for MoE routers: the Switch/Mixtral auxiliary loss and DeepSeek-V3's
+"""Load balancing for MoE routers: the Switch Transformer auxiliary loss and DeepSeek-V3's
 auxiliary-loss-free expert bias.
 
-- Auxiliary loss (Switch Transformer, Mixtral): `E * sum_i f_i * P_i`, where `f_i` is the
-  fraction of the `T * k` routed copies that went to expert i (no gradient) and `P_i` the mean
-  router probability of expert i over the T tokens. It is 1 for a perfectly balanced router with
-  uniform probabilities and grows to E when every token goes to one expert.
+- Auxiliary loss (Switch Transformer's, normalized for top-k): `E * sum_i f_i * P_i`, where `f_i`
+  is the fraction of the `T * k` routed copies that went to expert i (no gradient) and `P_i` the
+  mean router probability of expert i over the T tokens. It is 1 for a perfectly balanced router
+  with uniform probabilities and grows to E when every token goes to one expert. transformers'
+  `load_balancing_loss_func` (Mixtral, Qwen-MoE: `router_aux_loss_coef`) divides by T, not
+  T * k: its value is k times this one, so `aux_loss_coef = k * router_aux_loss_coef` gives the
+  same gradient as a transformers config's coefficient.
 - Expert bias (DeepSeek-V3, "auxiliary-loss-free"): a per-expert bias `b` added to the router
   scores for the top-k *selection* only; the combine weights stay the unbiased probabilities.
   After each optimizer step, `update_expert_bias(model)` adds `gamma * sign(mean load - load_i)`
@@ -41,7 +44,8 @@ class RouterOutput:
 
 
 def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
-    """The Switch/Mixtral load-balancing loss `E * sum_i f_i * P_i` (see the module docstring).
+    """The Switch load-balancing loss `E * sum_i f_i * P_i`, `f` over the `T * top_k` routed
+    copies (see the module docstring: transformers' Mixtral loss is `top_k` times this).
 
     Args:
         probs: `[T, E]` router probabilities (softmax over experts), differentiable.

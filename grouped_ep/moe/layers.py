@@ -161,8 +161,9 @@ class MoE(nn.Module):
 
     Load balancing, chosen here (both may be on at once):
 
-    - `aux_loss_coef > 0`: the Switch/Mixtral auxiliary loss over this rank's tokens
-      (`grouped_ep.moe.balance.load_balancing_loss`). Its gradient, times the coefficient, is
+    - `aux_loss_coef > 0`: the Switch auxiliary loss over this rank's tokens, normalized for
+      top-k (`grouped_ep.moe.balance.load_balancing_loss`; transformers' Mixtral loss is
+      `top_k` times it: use `aux_loss_coef = top_k * router_aux_loss_coef`). Its gradient, times the coefficient, is
       added in the backward of the output, as if `aux_loss_coef * aux_loss` were part of the
       loss backpropagated through it: nothing to add in the training loop. With gradient
       accumulation (losses divided by N), call `grouped_ep.moe.set_aux_loss_scale(model, 1/N)`.

@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from grouped_ep.moe.dispatch import tokens_per_expert
-
 __all__ = ["ExpertLoadCounter"]
 
 
@@ -35,6 +33,20 @@ def _hf_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, module in model.named_modules()
         if is_experts_module(module) and not isinstance(module, GroupedExperts)
     ]
+
+
+def _in_backward() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing's recompute
+    (reentrant or not) of a forward that was counted when it first ran."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _count(ids: Tensor, num_experts: int) -> Tensor:
+    """`[E]` copies per expert; ids >= num_experts (transformers' expert parallel marks routes to
+    other ranks' experts with id num_experts) are not counted. No host sync."""
+    valid = (ids < num_experts).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids.clamp(max=num_experts - 1), valid)
 
 
 class ExpertLoadCounter:
@@ -70,8 +82,10 @@ class ExpertLoadCounter:
                 raise ValueError(
                     f"ExpertLoadCounter: {self.names[index]} was called without top_k_index"
                 )
+            if _in_backward():
+                return  # activation checkpointing recomputing a counted forward
             with torch.no_grad():
-                counts = tokens_per_expert(ids.reshape(-1, ids.shape[-1]), module.num_experts)
+                counts = _count(ids.reshape(-1), module.num_experts)
                 seen = self._counts[index]
                 self._counts[index] = counts if seen is None else seen + counts
 
