@@ -249,11 +249,15 @@ def parallelize(
     check_mesh(mesh, "parallelize")
     # Refusals before the implementation is switched: a failed call changes nothing.
     check_shardable(model, mesh["ep"], "parallelize", with_fsdp=True)
+    configs = [c for c in (getattr(m, "config", None) for m in experts) if c is not None]
+    before = [getattr(c, "_experts_implementation", None) for c in configs]
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(IMPLEMENTATION)
     for module in experts:
         config = getattr(module, "config", None)
         if config is not None and config._experts_implementation != IMPLEMENTATION:
+            for c, impl in zip(configs, before):  # a refused call leaves the model as it was
+                c._experts_implementation = impl
             raise ValueError(
                 f"parallelize: experts module {type(module).__name__} still uses "
                 f"experts_implementation={config._experts_implementation!r}, not 'grouped_ep'"
