@@ -767,3 +767,25 @@ def test_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, where):
     write_index(inner, {k: name for k in state})
     with pytest.raises(LoadError, match=r"is not a file inside"):
         load_sharded(_fused_model(), inner)
+
+
+def test_index_naming_a_key_twice_for_two_files_is_refused(tmp_path):
+    """JSON keeps the last of two equal keys: the index's other file would be silently ignored."""
+    state = _fused_state()
+    write_safetensors(tmp_path / "a.safetensors", state)
+    write_safetensors(tmp_path / "b.safetensors", state)
+    key = next(iter(state))
+    entries = [f'"{k}": "a.safetensors"' for k in state] + [f'"{key}": "b.safetensors"']
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {' + ", ".join(entries) + "}}"
+    )
+    with pytest.raises(
+        LoadError, match=rf"index.json: key '{key}' is listed twice, for 'a.safetensors' and 'b"
+    ):
+        load_sharded(_fused_model(), tmp_path)
+    # The same file twice is harmless and loads.
+    entries[-1] = f'"{key}": "a.safetensors"'
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {' + ", ".join(entries) + "}}"
+    )
+    assert load_sharded(_fused_model(), tmp_path).tensors_loaded == 3

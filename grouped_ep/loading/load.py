@@ -192,7 +192,9 @@ def load_sharded(
         strict: a parameter or persistent buffer with no checkpoint key is an error naming
             them, before anything is read (the missing-key half of
             `load_state_dict(strict=True)`). False: they are listed in `report.missing` and left
-            as they are (on meta, or with their values). Checkpoint keys the model has no place
+            as they are (on meta, or with their values). A tensor the checkpoint holds only in
+            part (an expert stack missing an expert's keys) is an error either way. Checkpoint
+            keys the model has no place
             for are never an error (real checkpoints carry some: DeepSeek-V3's multi-token
             prediction layer, which transformers ignores too); they are listed in
             `report.unused_keys`, so check it to catch a model built with the wrong config.

@@ -201,8 +201,18 @@ class Checkpoint:
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
+    def pairs(items: list) -> dict:
+        table: dict = {}
+        for k, v in items:  # a key named twice for two files: which one holds it?
+            if k in table and table[k] != v and isinstance(v, str):
+                raise LoadError(
+                    f"{index_path}: key {k!r} is listed twice, for {table[k]!r} and {v!r}"
+                )
+            table[k] = v
+        return table
+
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = json.loads(index_path.read_text(encoding="utf-8"), object_pairs_hook=pairs)
     except OSError as e:
         raise LoadError(f"{index_path}: cannot read index: {e}") from None
     except (UnicodeDecodeError, ValueError) as e:
