@@ -789,3 +789,26 @@ def test_index_naming_a_key_twice_for_two_files_is_refused(tmp_path):
         '{"weight_map": {' + ", ".join(entries) + "}}"
     )
     assert load_sharded(_fused_model(), tmp_path).tensors_loaded == 3
+
+
+def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, monkeypatch):
+    """A file that shrinks between planning and reading (replaced on a shared filesystem): the
+    reader's error gives a byte offset; the tensor stored there is named too."""
+    import grouped_ep.loading.load as load_module
+
+    path = write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    read_direct = load_module.read_direct
+
+    def cut_then_read(*args):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 8])
+        return read_direct(*args)
+
+    monkeypatch.setattr(load_module, "read_direct", cut_then_read)
+    model = _fused_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        LoadError, match=r"model.safetensors: unexpected end of file at offset \d+ .*\(in tensor '"
+    ):
+        load_sharded(model, tmp_path)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -17,6 +17,7 @@ Three steps, the first two in Python, with no collective anywhere:
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,21 @@ class LoadReport:
     headers_parsed: int = 0
     quantized_bytes_read: int = 0
     scale_bytes_read: int = 0
+
+
+def _name_tensor(message: str, ckpt) -> str:
+    """A read error names a file and a byte offset: add the tensor stored there."""
+    m = re.match(r"grouped_ep\.read_ranges: (.+?): .* at offset (\d+)", message)
+    file = ckpt.files.get(m.group(1)) if m else None
+    if file is None:
+        return message
+    offset = int(m.group(2))
+    for entry in file.tensors.values():
+        if entry.start <= offset < entry.start + entry.nbytes:
+            return (
+                f"{message} (in tensor {entry.key!r}; the file changed since its header was read?)"
+            )
+    return message
 
 
 def _owned_by_transformers(model: nn.Module, name: str) -> bool:
@@ -277,9 +293,11 @@ def load_sharded(
         nread += read_staged(staged, paths, threads, bar)
         qbytes, sbytes = read_quantized(quantized, paths, threads, bar)
         nread += qbytes + sbytes
-    except BaseException:
+    except BaseException as e:
         for t in todo + quantized:
             t.fresh = None
+        if isinstance(e, LoadError):
+            raise LoadError(_name_tensor(str(e), ckpt)) from None
         raise
     finally:
         bar.close()
