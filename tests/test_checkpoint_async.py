@@ -220,3 +220,59 @@ def test_rank_killed_mid_async_save_leaves_previous_checkpoint(tmp_path: Path) -
     assert (tmp_path / ".tmp-step-00000002").is_dir()  # the dead save's leftovers, never read
     for r in run_ranks(_load_after_kill, 2, str(tmp_path), timeout=180):
         assert r == {"extra": {"step": 1}, "equal": True}
+
+
+def _save_then_destroy(rank: int, world: int, root: str) -> None:
+    """An async save still writing when the rank destroys its process group and exits, the way a
+    torchrun script ends (no `result()`): the save's own gloo group died under it, and the step
+    was lost with exit code 0."""
+    import time
+
+    mlp = _fsdp_model()
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    _train(mlp, opt, 1)
+    write = FileSystemWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(2)
+        return write(self, plan, planner)
+
+    FileSystemWriter.write_data = slow
+    ck.save(root, mlp, opt, extra={"step": 1}, async_save=True)
+    torch.distributed.destroy_process_group()  # waits for the save (rank 0: its commit) first
+    if rank == 0:
+        assert ck.resolve(root).name == "step-00000001"
+
+
+def test_destroy_process_group_waits_for_the_async_save(tmp_path: Path) -> None:
+    run_ranks(_save_then_destroy, 2, str(tmp_path), timeout=180)
+    assert ck.resolve(tmp_path).name == "step-00000001"
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+_FAILING_SAVE_THEN_EXIT = """
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from grouped_ep import checkpoint as ck
+
+def fail(self, plan, planner):
+    raise OSError("disk full")
+
+FileSystemWriter.write_data = fail
+model = nn.Linear(3, 3)
+ck.save({root!r}, model, async_save=True)  # exits without reading handle.result()
+"""
+
+
+def test_unread_async_save_failure_is_reported_at_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = _FAILING_SAVE_THEN_EXIT.format(root=str(tmp_path / "ckpt"))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "an async save failed and nothing read its error" in done.stderr, done.stderr
+    assert "disk full" in done.stderr

@@ -6,6 +6,7 @@ damaged small chunk (read by DCP's own reader)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,42 @@ def test_other_parameter_groups_are_refused_before_reading(tmp_path, saved_group
         ck.load(tmp_path, model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert [g["lr"] for g in opt.param_groups] == lrs
+
+
+def _grouped(order: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Three parameters a, b, c in two groups: "ab|c", "a|bc" or "ac|b"."""
+    model = nn.ParameterDict({n: nn.Parameter(torch.ones(4)) for n in "abc"})
+    first, second = order.split("|")
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[n] for n in first], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": [model[n] for n in second], "lr": 1e-3, "weight_decay": 0.0},
+        ]
+    )
+    sum(p.sum() for p in model.values()).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("order", ["a|bc", "ac|b"])
+def test_parameters_in_other_groups_are_refused_before_reading(tmp_path, order):
+    """Same number of groups, other members: DCP gave group 0 no hyperparameters (a bare
+    KeyError at the next step) or gave `a` c's learning rate and weight decay, silently."""
+    ck.save(tmp_path, *_grouped("ab|c"), step=1)
+    model, opt = _grouped(order)
+    with torch.no_grad():
+        for p in model.values():
+            p.fill_(7.0)
+    moved = "'b' (group 0 saved, 1 now)" if order == "a|bc" else "'c' (group 1 saved, 0 now)"
+    with pytest.raises(ck.CheckpointError, match=re.escape(moved)):
+        ck.load(tmp_path, model, opt)
+    assert all(torch.equal(p, torch.full((4,), 7.0)) for p in model.values())
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
+    # The same groups load.
+    model, opt = _grouped("ab|c")
+    ck.load(tmp_path, model, opt)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 
 def test_save_into_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:

@@ -9,9 +9,14 @@ and prunes old steps. Only one save is in flight: the next `save` or `load` wait
 
 from __future__ import annotations
 
+import atexit
+import functools
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import torch.distributed as dist
 
 from grouped_ep.checkpoint.collective import gather_errors
 from grouped_ep.checkpoint.errors import CheckpointError
@@ -64,7 +69,52 @@ def start(path: Path, job: Callable[[], Path]) -> AsyncSave:
 
     handle = AsyncSave(path, _EXECUTOR.submit(run))
     _PENDING = handle
+    _guard_exit()
     return handle
+
+
+def _finish_pending() -> None:
+    """Wait for the save in flight, if any, without raising (its error stays for `result()`,
+    the next `save`/`load`, or the report at exit)."""
+    handle = _PENDING
+    if handle is not None:
+        try:
+            handle._future.result()
+        except BaseException:
+            pass
+
+
+def _report_at_exit() -> None:
+    """A background save that failed and whose error nobody read: say so on stderr (the
+    process is exiting; there is no one left to raise it to)."""
+    handle = _PENDING
+    if handle is None or handle._reported or not handle._future.done():
+        return
+    error = handle._future.exception()
+    if error is not None:
+        sys.stderr.write(
+            f"grouped_ep.checkpoint: {error}\n(an async save failed and nothing read its error; "
+            "call handle.result() before exiting)\n"
+        )
+
+
+def _guard_exit() -> None:
+    """Once per process: `torch.distributed.destroy_process_group` first waits for the save in
+    flight (it destroyed the save's process group under it: the step was lost with exit code
+    0), and an unread failure is reported on stderr at exit. (The worker thread itself is joined
+    at interpreter exit by concurrent.futures, so a save in flight finishes.)"""
+    original = dist.destroy_process_group
+    if getattr(original, "__grouped_ep_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args, **kwargs):
+        _finish_pending()
+        return original(*args, **kwargs)
+
+    destroy_process_group.__grouped_ep_original__ = original
+    dist.destroy_process_group = destroy_process_group
+    atexit.register(_report_at_exit)
 
 
 def wait_pending(what: str) -> None:

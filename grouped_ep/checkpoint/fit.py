@@ -111,9 +111,11 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
 
 
 def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
-    """Raise CheckpointError when the optimizer has another number of parameter groups than the
-    saved one (as `Optimizer.load_state_dict` refuses it): DCP would otherwise fill the groups it
-    finds by position, silently giving parameters another group's learning rate."""
+    """Raise CheckpointError when the optimizer's parameter groups are not the saved ones: another
+    number of groups (as `Optimizer.load_state_dict` refuses it), or a parameter in another group.
+    DCP maps each saved group to the current group that holds its last parameter: a group could
+    be left without hyperparameters (a bare KeyError at the next step) or silently get another
+    group's learning rate and weight decay."""
     if "optim" not in state:
         return
     prefix = "optim.param_groups."
@@ -122,13 +124,50 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
         for key in info.metadata.state_dict_metadata
         if key.startswith(prefix)
     }
-    have = len(state["optim"]["param_groups"])
-    if saved and len(saved) != have:
+    have = [list(g["params"]) for g in state["optim"]["param_groups"]]
+    if saved and len(saved) != len(have):
         raise CheckpointError(
             f"checkpoint {info.path} holds optimizer state with {len(saved)} parameter group(s), "
-            f"the optimizer has {have}; build the optimizer with the same parameter groups as "
+            f"the optimizer has {len(have)}; build the optimizer with the same parameter groups as "
             "the run that saved it"
         )
+    if not saved or any(
+        f"{prefix}{i}.params" not in info.metadata.state_dict_metadata for i in range(len(have))
+    ):
+        return
+    was = _saved_group_params(info, len(have))
+    group_now = {name: i for i, names in enumerate(have) for name in names}
+    moved = [
+        f"{name!r} (group {i} saved, {group_now[name]} now)"
+        for i, names in enumerate(was)
+        for name in names
+        if name in group_now and group_now[name] != i
+    ]
+    if moved:
+        shown = ", ".join(moved[:10]) + (" ..." if len(moved) > 10 else "")
+        raise CheckpointError(
+            f"checkpoint {info.path}: {len(moved)} parameter(s) are in another optimizer "
+            f"parameter group than when it was saved: {shown}; build the optimizer with the same "
+            "parameter groups as the run that saved it"
+        )
+
+
+def _saved_group_params(info: CheckpointInfo, groups: int) -> list[list[str]]:
+    """The parameter names of each saved optimizer group (small pickled lists, read alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    from grouped_ep.checkpoint.collective import dcp_quiet
+
+    state: dict[str, Any] = {"optim": {"param_groups": [{"params": []} for _ in range(groups)]}}
+    try:
+        with dcp_quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(info.path)), no_dist=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {info.path}: cannot read its optimizer parameter groups "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return [list(g["params"]) for g in state["optim"]["param_groups"]]
 
 
 def stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
