@@ -5,7 +5,8 @@ Commands:
                   reference and print backend, dtype, layout, max error, pass/fail (exit code 1
                   on a failure). Builds nothing, needs no network: run it first on a new node.
     inspect DIR   list a checkpoint's tensors, shapes, dtypes, chunks and files, and check that
-                  every element of every tensor is saved exactly once (exit code 1 if not).
+                  every element of every tensor is saved exactly once and that every chunk's
+                  bytes match the CRC32 saved with them (exit code 1 if not).
 """
 
 from __future__ import annotations
@@ -15,16 +16,31 @@ import sys
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    import json
+
     from grouped_ep.checkpoint import CheckpointError, describe
+    from grouped_ep.checkpoint.checksum import verify
     from grouped_ep.checkpoint.inspect import format_report
-    from grouped_ep.checkpoint.layout import resolve
+    from grouped_ep.checkpoint.layout import MANIFEST_FILE, resolve
 
     try:
         info = describe(resolve(args.dir))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        manifest = json.loads((info.path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    crc = isinstance(manifest, dict) and manifest.get("checksums") == "crc32"
+    checked = crc and not args.no_verify and not info.problems
+    if checked:  # reads every data file
+        info.problems += verify(info)
     print(format_report(info, chunks=not args.summary))
+    if checked and not info.problems:
+        print("OK: every chunk's bytes match the CRC32 saved with them")
+    elif not crc:
+        print("(saved without checksums: values not verified)")
     if info.problems:
         print(f"error: checkpoint {info.path} has {len(info.problems)} problem(s)", file=sys.stderr)
         return 1
@@ -80,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("inspect", help="describe and check a DCP checkpoint directory")
     p.add_argument("dir", help="a checkpoint directory, or a root with a `latest` file")
     p.add_argument("--summary", action="store_true", help="one line per tensor, no chunks")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the CRC32 check (it reads every data file)"
+    )
     p.set_defaults(func=_inspect)
 
     args = parser.parse_args(argv)

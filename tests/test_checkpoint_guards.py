@@ -5,6 +5,7 @@ damaged small chunk (read by DCP's own reader)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -178,14 +179,57 @@ def test_same_step_save_that_dies_between_renames_keeps_the_old_one(tmp_path, mo
     assert torch.equal(got.weight, old.weight)
 
 
-def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checksums", [True, False], ids=["crc32", "older_save_without"])
+def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path, checksums: bool) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))  # every chunk under 1 MB
     step = ck.save(tmp_path, model, step=1)
+    if not checksums:  # as saved before checksums were written: the reader's own error
+        manifest = json.loads((step / "grouped_ep.json").read_text())
+        del manifest["checksums"]
+        (step / "grouped_ep.json").write_text(json.dumps(manifest))
     chunk = ck.describe(step).tensors["model.1.weight"].chunks[0]
     with open(step / chunk.file, "r+b") as f:
         f.seek(chunk.file_offset)
         f.write(b"\xff" * 64)
-    with pytest.raises(
-        ck.CheckpointError, match=r"rank 0: OSError: .*__0_0\.distcp \(model\.1\.weight\)"
-    ):
+    match = (
+        r"checking checksums failed on rank 0: .*__0_0\.distcp: the bytes of 'model\.1\.weight'"
+        if checksums
+        else r"rank 0: OSError: .*__0_0\.distcp \(model\.1\.weight\)"
+    )
+    with pytest.raises(ck.CheckpointError, match=match):
         ck.load(tmp_path, nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)))
+
+
+def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: Path) -> None:
+    """DCP keeps no checksum: one flipped bit inside a tensor's bytes loaded silently (a weight
+    off by 7e35 in a review) and `inspect` said OK. Now load refuses it before touching the
+    model, naming the file and key, and `inspect` exits 1."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    step = ck.save(tmp_path, model, opt, step=1)
+    assert (step / "__0_crc32.json").is_file()
+    cli = [sys.executable, "-m", "grouped_ep", "inspect", str(tmp_path), "--summary"]
+    ok = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "match the CRC32 saved with them" in ok.stdout
+    chunk = ck.describe(step).tensors["model.0.weight"].chunks[0]
+    data = bytearray((step / chunk.file).read_bytes())
+    data[chunk.file_offset + chunk.length - 100] ^= 0x04  # one bit of a value, not the framing
+    (step / chunk.file).write_bytes(bytes(data))
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    before = [p.clone() for p in fresh.parameters()]
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"__0_0\.distcp: the bytes of 'model\.0\.weight' .* do not match the CRC32",
+    ):
+        ck.load(tmp_path, fresh, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    assert not fresh_opt.state
+    bad = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "'model.0.weight'" in bad.stdout

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
+from grouped_ep.checkpoint.checksum import ChecksumWriter, verify
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -229,6 +230,7 @@ def save(
         "world_size": world(),
         "has_optimizer": optimizer is not None,
         "has_extra": extra is not None,
+        "checksums": "crc32",  # every chunk's, beside the data files (checksum.py)
         "torch": torch.__version__,
     }
 
@@ -246,7 +248,7 @@ def save(
         return final
 
     state = _state(model, optimizer)
-    writer = dcp.FileSystemWriter(str(tmp), overwrite=True)
+    writer = ChecksumWriter(str(tmp), overwrite=True)
     try:
         with dcp_quiet():
             if async_save:
@@ -350,6 +352,12 @@ def _load(
     ckpt_s, manifest, stateless = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
+    if manifest.get("checksums") == "crc32":  # each rank checks its share of the files
+        problems = verify(describe(ckpt), rank(), world())
+        shown = "; ".join(problems[:5]) + (
+            f"; ... ({len(problems)} in all)" if len(problems) > 5 else ""
+        )
+        all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
