@@ -164,7 +164,7 @@ void make_resident(const at::Tensor& out) {
   static const bool enabled = [] {
     const char* v = std::getenv("GROUPED_EP_CPU_POPULATE");
     if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
-    TORCH_CHECK(std::strcmp(v, "0") == 0, "gemm: environment variable GROUPED_EP_CPU_POPULATE=", v,
+    TORCH_CHECK(std::strcmp(v, "0") == 0, "grouped_ep.gemm: environment variable GROUPED_EP_CPU_POPULATE=", v,
                 " must be 0 (off) or 1 (on, the default)");
     return false;
   }();

@@ -39,7 +39,7 @@ size_t cap_bytes() {
     const long long mb = std::strtoll(v, &end, 10);
     constexpr long long kMaxMb = 1LL << 30;  // 1 PiB: past it, MiB << 20 could wrap
     TORCH_CHECK(end != v && *end == '\0' && errno == 0 && mb >= 0 && mb <= kMaxMb,
-                "gemm: environment variable GROUPED_EP_CPU_POOL_MB=", v, " must be a whole number of MiB from 0 to ",
+                "grouped_ep.gemm: environment variable GROUPED_EP_CPU_POOL_MB=", v, " must be a whole number of MiB from 0 to ",
                 kMaxMb, " (0 turns the output pool off)");
     return static_cast<size_t>(mb) << 20;
   }();
@@ -140,7 +140,7 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   if (b.p == nullptr) {
     b.bytes = (want + kRound - 1) / kRound * kRound;
     b.p = Pool::map(b.bytes);
-    TORCH_CHECK(b.p != nullptr, "gemm: could not allocate ", b.bytes, " bytes for the output");
+    TORCH_CHECK(b.p != nullptr, "grouped_ep.gemm: could not allocate ", b.bytes, " bytes for the output");
   }
   // A resizable storage like at::empty's (a resize goes to the CPU allocator), of the bytes
   // asked for: a block may be larger (rounded up, or reused), and what lies past the output
