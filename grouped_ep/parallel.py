@@ -265,6 +265,20 @@ def check_mesh(mesh: DeviceMesh, caller: str) -> None:
         )
 
 
+def check_reshard(reshard_after_forward: bool | int, mesh: DeviceMesh, op: str) -> None:
+    """An int `reshard_after_forward` must divide both FSDP group sizes of `fully_shard_moe`."""
+    n = reshard_after_forward
+    if isinstance(n, bool) or not isinstance(n, int):
+        return
+    dp, ep = mesh.size(0), mesh.size(1)
+    if n < 1 or dp % n or (dp * ep) % n:
+        raise ValueError(
+            f"{op}: reshard_after_forward={n} must divide the size of every FSDP group it "
+            f"applies to: the experts' 'dp' group ({dp} rank(s)) and the dense weights' 'dp' x "
+            f"'ep' group ({dp * ep}); pass True or False, or an int that divides both"
+        )
+
+
 def fully_shard_moe(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -280,8 +294,12 @@ def fully_shard_moe(
     all experts, e.g. a post-expert norm, over `"dp_ep"`), each block of the outermost ModuleList
     holding experts over `"dp_ep"`, and the root over `"dp_ep"`. Afterwards every parameter is a
     DTensor. Returns `model` (now an FSDPModule).
+
+    `reshard_after_forward` as `fully_shard` takes it; an int must divide both FSDP group sizes
+    here, `dp` (the experts) and `dp * ep` (the rest), else it is a ValueError.
     """
     check_mesh(mesh, "fully_shard_moe")
+    check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
     experts = check_shardable(model, ep_mesh, "fully_shard_moe", with_fsdp=True)  # first

@@ -404,3 +404,24 @@ def test_clip_grad_norm_takes_torchs_arguments():
     torch.testing.assert_close(got, want)
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_int_reshard_after_forward_must_divide_both_fsdp_groups():
+    """An int went to the experts' dp group too, where torch refused it in its own words
+    ('it should be a factor of 1, not 2') after the experts were already sharded."""
+    from grouped_ep.parallel import check_reshard
+
+    class Mesh:  # the sizes of a ("dp", "ep") mesh
+        def __init__(self, dp, ep):
+            self.sizes = (dp, ep)
+
+        def size(self, dim):
+            return self.sizes[dim]
+
+    for dp, ep, n in ((1, 2, 2), (2, 2, 4), (2, 2, 0)):
+        with pytest.raises(
+            ValueError, match=rf"reshard_after_forward={n} must divide .*'dp' group \({dp} rank"
+        ):
+            check_reshard(n, Mesh(dp, ep), "fully_shard_moe")
+    for dp, ep, n in ((2, 2, 2), (4, 2, 2), (2, 1, True), (1, 2, False)):
+        check_reshard(n, Mesh(dp, ep), "fully_shard_moe")

@@ -33,6 +33,7 @@ from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
 from grouped_ep.parallel import (
     check_mesh,
+    check_reshard,
     check_shardable,
     experts_modules,
     fully_shard_moe,
@@ -247,6 +248,7 @@ def parallelize(
     for module in experts:
         check_supported(module)
     check_mesh(mesh, "parallelize")
+    check_reshard(reshard_after_forward, mesh, "parallelize")
     # Refusals before the implementation is switched: a failed call changes nothing.
     check_shardable(model, mesh["ep"], "parallelize", with_fsdp=True)
     configs = [c for c in (getattr(m, "config", None) for m in experts) if c is not None]
