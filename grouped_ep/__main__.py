@@ -19,7 +19,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import json
 
     from grouped_ep.checkpoint import CheckpointError, describe
-    from grouped_ep.checkpoint.checksum import verify
+    from grouped_ep.checkpoint.checksum import verify_share
     from grouped_ep.checkpoint.inspect import format_report
     from grouped_ep.checkpoint.layout import MANIFEST_FILE, resolve
 
@@ -35,7 +35,7 @@ def _inspect(args: argparse.Namespace) -> int:
     crc = isinstance(manifest, dict) and manifest.get("checksums") == "crc32"
     checked = crc and not args.no_verify and not info.problems
     if checked:  # reads every data file
-        info.problems += verify(info)
+        info.problems += verify_share(info)
     print(format_report(info, chunks=not args.summary))
     if checked and not info.problems:
         print("OK: every chunk's bytes match the CRC32 saved with them")

@@ -219,7 +219,9 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
     assert ok.returncode == 0 and "match the CRC32 saved with them" in ok.stdout
     chunk = ck.describe(step).tensors["model.0.weight"].chunks[0]
     data = bytearray((step / chunk.file).read_bytes())
-    data[chunk.file_offset + chunk.length - 100] ^= 0x04  # one bit of a value, not the framing
+    at = data.find(model[0].weight.detach().numpy().tobytes(), chunk.file_offset)
+    assert chunk.file_offset <= at < chunk.file_offset + chunk.length
+    data[at + 1001] ^= 0x04  # one bit of one value, not the framing around it
     (step / chunk.file).write_bytes(bytes(data))
     fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
     fresh_opt = torch.optim.AdamW(fresh.parameters())
@@ -233,3 +235,6 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
     assert not fresh_opt.state
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "'model.0.weight'" in bad.stdout
+    ck.load(tmp_path, fresh, fresh_opt, verify=False)  # asked not to check: loads as it is
+    assert not torch.equal(fresh[0].weight, model[0].weight)
+    assert torch.equal(fresh[1].weight, model[1].weight)

@@ -7,7 +7,7 @@ page cache) and writes the CRC32s of one rank's files to `<prefix>crc32.json` be
 (`__0_crc32.json` for `__0_0.distcp`, ...). That happens inside the write step, before the
 save's last collective, so a step is committed only with every rank's checksums in it.
 
-`verify(info, part, parts)` checks the chunks of every `parts`-th data file from `part` on:
+`verify_share(info, part, parts)` checks the chunks of every `parts`-th data file from `part` on:
 `load` gives each rank its share (every file is read once, by one rank), `inspect` checks all.
 """
 
@@ -65,7 +65,7 @@ def _sidecar(data_file: str) -> str:
     return data_file.rpartition("_")[0] + "_" + SUFFIX
 
 
-def verify(info: CheckpointInfo, part: int = 0, parts: int = 1) -> list[str]:
+def verify_share(info: CheckpointInfo, part: int = 0, parts: int = 1) -> list[str]:
     """Problems found checking data files `part`, `part + parts`, ... (sorted by name) against
     the checksums saved with them; [] when they match. Call only for a checkpoint saved with
     checksums (its manifest says `"checksums": "crc32"`)."""

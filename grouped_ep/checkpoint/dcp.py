@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
-from grouped_ep.checkpoint.checksum import ChecksumWriter, verify
+from grouped_ep.checkpoint.checksum import ChecksumWriter, verify_share
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -287,6 +287,8 @@ def load(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, Any] | None:
     """Load a checkpoint into `model` (and `optimizer`) as they are sharded now, in place.
 
@@ -300,6 +302,10 @@ def load(
         path: a checkpoint directory, or a root whose `latest` file names one.
         model: the model to fill; its parameters keep their placements.
         optimizer: an optimizer over `model`'s parameters, or None (optimizer state not read).
+        verify: check every chunk's bytes against the CRC32 saved with it before anything is
+            read into the model (each rank checks a share of the data files: the checkpoint is
+            read once more in all). False skips it. Checkpoints saved without checksums (older
+            versions) are not checked.
 
     Non-persistent buffers (rotary `inv_freq`, ...), which no checkpoint holds, are recomputed
     afterwards from their modules' own initialization, as a fresh build has them: after
@@ -310,7 +316,8 @@ def load(
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete (no `.metadata`, a missing or
-            truncated data file) or does not fit the model (a key missing or of another shape).
+            truncated data file, a chunk whose bytes changed since the save) or does not fit
+            the model (a key missing or of another shape).
             These checks run before anything is read, and leave the model and optimizer
             untouched. An I/O error during the read itself may leave the model partly loaded;
             its message says so.
@@ -320,7 +327,7 @@ def load(
     refuse_untied(model)
     fresh = optimizer is not None and not optimizer.state
     try:
-        return _load(path, model, optimizer)
+        return _load(path, model, optimizer, verify)
     except BaseException:
         if fresh:  # the state made to read into (see `_state`) goes: the optimizer is as it was
             optimizer.state.clear()
@@ -328,7 +335,10 @@ def load(
 
 
 def _load(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    verify_: bool,
 ) -> dict[str, Any] | None:
     current = _state(model, optimizer, keep_made_state=True)
 
@@ -352,8 +362,8 @@ def _load(
     ckpt_s, manifest, stateless = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
-    if manifest.get("checksums") == "crc32":  # each rank checks its share of the files
-        problems = verify(describe(ckpt), rank(), world())
+    if verify_ and manifest.get("checksums") == "crc32":  # each rank checks a share of the files
+        problems = verify_share(describe(ckpt), rank(), world())
         shown = "; ".join(problems[:5]) + (
             f"; ... ({len(problems)} in all)" if len(problems) > 5 else ""
         )
