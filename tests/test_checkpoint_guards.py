@@ -115,10 +115,29 @@ def test_parameters_in_other_groups_are_refused_before_reading(tmp_path, order):
         ck.load(tmp_path, model, opt)
     assert all(torch.equal(p, torch.full((4,), 7.0)) for p in model.values())
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
-    # The same groups load.
+    # The same groups load, in either order (DCP matches groups by their parameters).
     model, opt = _grouped("ab|c")
     ck.load(tmp_path, model, opt)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    model = nn.ParameterDict({n: nn.Parameter(torch.ones(4)) for n in "abc"})
+    opt = torch.optim.AdamW([{"params": [model["c"]]}, {"params": [model["a"], model["b"]]}])
+    ck.load(tmp_path, model, opt)
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, 0.0), (1e-2, 0.1)]
+
+
+def test_unreadable_saved_param_groups_are_a_checkpoint_error(tmp_path):
+    """DCP's CheckpointException is a BaseException: it escaped `except Exception` bare (and on
+    several ranks rank 0 left the others waiting in a broadcast)."""
+    step = ck.save(tmp_path, *_grouped("ab|c"), step=1)
+    obj = ck.describe(step).objects["optim.param_groups.0.params"]
+    with open(step / obj.file, "r+b") as f:
+        f.seek(obj.file_offset)
+        f.write(b"\x00" * obj.length)
+    model, opt = _grouped("ab|c")
+    with pytest.raises(ck.CheckpointError, match=r"the bytes of 'optim.param_groups.0.params'"):
+        ck.load(tmp_path, model, opt)  # the checksum sees it first
+    with pytest.raises(ck.CheckpointError, match=r"cannot read its optimizer parameter groups"):
+        ck.load(tmp_path, model, opt, verify=False)
 
 
 def test_save_into_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:
@@ -238,3 +257,25 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
     ck.load(tmp_path, fresh, fresh_opt, verify=False)  # asked not to check: loads as it is
     assert not torch.equal(fresh[0].weight, model[0].weight)
     assert torch.equal(fresh[1].weight, model[1].weight)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"crc32": None},
+        {"crc32": []},
+        {"crc32": {"__0_0.distcp": []}},
+        {"crc32": {"__0_0.distcp": [[0, 5]]}},
+        {"crc32": {"__0_0.distcp": [None]}},
+        [],
+    ],
+    ids=["null", "list", "no_rows", "short_row", "null_row", "not_an_object"],
+)
+def test_malformed_checksum_file_is_a_checkpoint_error(tmp_path: Path, table) -> None:
+    """Valid JSON of the wrong shape skipped the check (the damaged data loaded, `inspect` said
+    OK) or raised bare AttributeError / ValueError / TypeError."""
+    model = nn.Linear(8, 4)
+    step = ck.save(tmp_path, model, step=1)
+    (step / "__0_crc32.json").write_text(json.dumps(table))
+    with pytest.raises(ck.CheckpointError, match=r"checking checksums failed .*__0_crc32\.json"):
+        ck.load(tmp_path, nn.Linear(8, 4))

@@ -451,17 +451,24 @@ def test_dp2_ep2_equals_transformers(tmp_path):
 # ---- MXFP4 into transformers' own gpt-oss model ----------------------------------------------
 
 
-def _gpt_oss_mxfp4(path, hidden: int, inter: int):
-    """A tiny transformers GptOssForCausalLM saved as gpt-oss ships: experts as MXFP4 blocks and
-    scales in the file's [E, R, C] orientation (transformers' parameters are [E, C, R])."""
-    from _quant_ckpt import quantize_mxfp4
-    from transformers import GptOssConfig, GptOssForCausalLM
+def _gpt_oss_config(hidden: int, inter: int):
+    from transformers import GptOssConfig
 
     cfg = GptOssConfig(
         vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
         num_experts_per_tok=2, layer_types=["full_attention"],
     )  # fmt: skip
+    return cfg
+
+
+def _gpt_oss_mxfp4(path, hidden: int, inter: int):
+    """A tiny transformers GptOssForCausalLM saved as gpt-oss ships: experts as MXFP4 blocks and
+    scales in the file's [E, R, C] orientation (transformers' parameters are [E, C, R])."""
+    from _quant_ckpt import quantize_mxfp4
+    from transformers import GptOssForCausalLM
+
+    cfg = _gpt_oss_config(hidden, inter)
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg).float()
     tensors, want = {}, {}
@@ -515,3 +522,32 @@ def test_mxfp4_without_quantization_config_names_the_keys(tmp_path):
     ):
         load_sharded(model, tmp_path)
     _assert_untouched(model, 3.0)
+
+
+def _gpt_oss_parallelized_body(rank, world, path, hidden, inter):
+    from transformers import GptOssForCausalLM
+
+    import grouped_ep.hf
+    from grouped_ep.parallel import make_mesh
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(_gpt_oss_config(hidden, inter)).float()
+    grouped_ep.hf.parallelize(model, make_mesh(dp=1, ep=world))
+    report = load_sharded(model, path)
+    experts = model.model.layers[0].mlp.experts
+    return report.unused_keys, {
+        n: getattr(experts, n).to_local().clone() for n in ("gate_up_proj", "down_proj")
+    }
+
+
+def test_mxfp4_into_gpt_oss_after_parallelize_takes_its_orientation(tmp_path):
+    """fully_shard swaps the experts' class for one it makes on the fly (module torch...): the
+    transformers orientation was then not recognized and the load refused (or, with square
+    tensors, loaded transposed)."""
+    cfg, want = _gpt_oss_mxfp4(tmp_path / "ckpt", 64, 64)
+    results = run_ranks(_gpt_oss_parallelized_body, 2, str(tmp_path / "ckpt"), 64, 64, timeout=240)
+    for rank, (unused, got) in enumerate(results):
+        assert unused == []
+        for name, local in got.items():
+            full = want[f"model.layers.0.mlp.experts.{name}"]
+            _exact(local, full[2 * rank : 2 * rank + 2], f"rank {rank} {name}")

@@ -65,37 +65,74 @@ def _sidecar(data_file: str) -> str:
     return data_file.rpartition("_")[0] + "_" + SUFFIX
 
 
+def _spans(value) -> dict[tuple[int, int], int] | None:
+    """A file's `[[offset, length, crc32], ...]` as {(offset, length): crc32}; None if malformed."""
+    if not isinstance(value, list):
+        return None
+    out = {}
+    for row in value:
+        if not (
+            isinstance(row, list)
+            and len(row) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
+        ):
+            return None
+        out[(row[0], row[1])] = row[2]
+    return out
+
+
+def _read_table(side: Path) -> tuple[dict | None, str | None]:
+    """The `crc32` table of checksum file `side`, or (None, what is wrong with it)."""
+    try:
+        table = json.loads(side.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{side}: cannot read it ({e})"
+    if not isinstance(table, dict) or not isinstance(table.get("crc32"), dict):
+        return None, f"{side}: not a checksum file (no 'crc32' table)"
+    return table["crc32"], None
+
+
 def verify_share(info: CheckpointInfo, part: int = 0, parts: int = 1) -> list[str]:
     """Problems found checking data files `part`, `part + parts`, ... (sorted by name) against
-    the checksums saved with them; [] when they match. Call only for a checkpoint saved with
-    checksums (its manifest says `"checksums": "crc32"`)."""
-    where = {(c.file, c.file_offset): key for key, t in info.tensors.items() for c in t.chunks}
-    where.update({(c.file, c.file_offset): key for key, c in info.objects.items()})
-    tables: dict[str, dict | None] = {}
+    the checksums saved with them; [] when they match. Every chunk `.metadata` places in such a
+    file must have its checksum. Call only for a checkpoint saved with checksums (its manifest
+    says `"checksums": "crc32"`)."""
+    chunks: dict[str, list[tuple[int, int, str]]] = {}
+    for key, t in info.tensors.items():
+        for c in t.chunks:
+            chunks.setdefault(c.file, []).append((c.file_offset, c.length, key))
+    for key, c in info.objects.items():
+        chunks.setdefault(c.file, []).append((c.file_offset, c.length, key))
+    tables: dict[str, tuple[dict | None, str | None]] = {}
     problems: list[str] = []
     for i, name in enumerate(sorted(info.files)):
         if i % parts != part:
             continue
         side = info.path / _sidecar(name)
         if side.name not in tables:
-            try:
-                tables[side.name] = json.loads(side.read_text())["crc32"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                tables[side.name] = None
-                problems.append(f"{side}: cannot read the checksums saved with {name} ({e})")
-        table = tables[side.name]
+            tables[side.name] = _read_table(side)
+            if tables[side.name][1] is not None:
+                problems.append(f"{tables[side.name][1]}; it holds the checksums of {name}")
+        table = tables[side.name][0]
         if table is None:
             continue
-        spans = table.get(name)
-        if not isinstance(spans, list):
-            problems.append(f"{side}: no checksums for {name}")
+        sums = _spans(table.get(name))
+        if sums is None:
+            problems.append(f"{side}: no well-formed checksums for {name}")
             continue
+        unsummed = [key for o, n, key in chunks.get(name, []) if (o, n) not in sums]
+        if unsummed:
+            problems.append(
+                f"{side}: no checksum for {len(unsummed)} chunk(s) in {name} (of {unsummed[0]!r})"
+            )
         with open(info.path / name, "rb") as f:
-            for offset, length, want in spans:
+            for offset, length, key in sorted(chunks.get(name, [])):
+                want = sums.get((offset, length))
+                if want is None:
+                    continue
                 got, n = _crc(f, offset, length)
                 if n == length and got == want:
                     continue
-                key = where.get((name, offset), "?")
                 problems.append(
                     f"{info.path / name}: the bytes of {key!r} (offset {offset}, {length} bytes) "
                     + (

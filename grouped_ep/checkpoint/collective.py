@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from grouped_ep.checkpoint.errors import CheckpointError
 
@@ -39,11 +40,12 @@ def on_rank0(fn: Callable[[], _T]) -> _T:
     if not distributed():
         return fn()
     msg: list[Any] = [None, None]  # [result, error text]
-    error: Exception | None = None
+    error: BaseException | None = None
     if rank() == 0:
         try:
             msg[0] = fn()
-        except Exception as e:  # sent to the other ranks so that nobody waits forever
+        except (Exception, CheckpointException) as e:  # sent to the other ranks: nobody waits
+            # forever (DCP's CheckpointException is a BaseException)
             error, msg[1] = e, f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(msg, src=0)
     if error is not None:

@@ -356,18 +356,22 @@ def _load(
         stateless = stateless_params(info, current) if optimizer is not None else []
         check_fits(info, without(current, stateless))  # global shapes: the same on every rank
         refuse_unexpected(info, current)
-        check_param_groups(info, current)
         return str(ckpt), manifest, stateless
 
     ckpt_s, manifest, stateless = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
     if verify_ and manifest.get("checksums") == "crc32":  # each rank checks a share of the files
-        problems = verify_share(describe(ckpt), rank(), world())
+        try:
+            problems = verify_share(describe(ckpt), rank(), world())
+        except Exception as e:  # on every rank to all_ok: no rank left waiting
+            problems = [f"{type(e).__name__}: {e}"]
         shown = "; ".join(problems[:5]) + (
             f"; ... ({len(problems)} in all)" if len(problems) > 5 else ""
         )
         all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
+    if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
+        on_rank0(lambda: check_param_groups(describe(ckpt), current))
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -136,12 +137,18 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
     ):
         return
     was = _saved_group_params(info, len(have))
+    # The groups may come in another order (DCP matches each saved group to the current group
+    # holding its parameters); what must hold is the partition: parameters saved together are
+    # together now, and apart otherwise. Parameters on one side only are not compared here.
+    both = {n for g in was for n in g} & {n for g in have for n in g}
     group_now = {name: i for i, names in enumerate(have) for name in names}
+    saved_set = {n: frozenset(g) & both for g in was for n in g}
+    now_set = {n: frozenset(g) & both for g in have for n in g}
+    group_was = {name: i for i, names in enumerate(was) for name in names}
     moved = [
-        f"{name!r} (group {i} saved, {group_now[name]} now)"
-        for i, names in enumerate(was)
-        for name in names
-        if name in group_now and group_now[name] != i
+        f"{name!r} (group {group_was[name]} saved, {group_now[name]} now)"
+        for name in sorted(both)
+        if saved_set[name] != now_set[name]
     ]
     if moved:
         shown = ", ".join(moved[:10]) + (" ..." if len(moved) > 10 else "")
@@ -162,7 +169,7 @@ def _saved_group_params(info: CheckpointInfo, groups: int) -> list[list[str]]:
     try:
         with dcp_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(info.path)), no_dist=True)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(
             f"checkpoint {info.path}: cannot read its optimizer parameter groups "
             f"({type(e).__name__}: {e})"

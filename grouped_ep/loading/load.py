@@ -88,7 +88,8 @@ def _owned_by_transformers(model: nn.Module, name: str) -> bool:
     """Whether the module holding tensor `name` is a transformers class (its MXFP4 experts take
     the dequantized tensor with its last two dims swapped, as transformers loads them)."""
     owner = model.get_submodule(name.rpartition(".")[0])
-    return type(owner).__module__.startswith("transformers.")
+    # Any class up the MRO: fully_shard swaps a module's class for a subclass made on the fly.
+    return any(c.__module__.startswith("transformers.") for c in type(owner).__mro__)
 
 
 def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:

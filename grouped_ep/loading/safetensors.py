@@ -213,6 +213,8 @@ def _read_index(index_path: Path) -> dict[str, str]:
 
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"), object_pairs_hook=pairs)
+    except LoadError:
+        raise
     except OSError as e:
         raise LoadError(f"{index_path}: cannot read index: {e}") from None
     except (UnicodeDecodeError, ValueError) as e:
