@@ -279,3 +279,27 @@ def test_malformed_checksum_file_is_a_checkpoint_error(tmp_path: Path, table) ->
     (step / "__0_crc32.json").write_text(json.dumps(table))
     with pytest.raises(ck.CheckpointError, match=r"checking checksums failed .*__0_crc32\.json"):
         ck.load(tmp_path, nn.Linear(8, 4))
+
+
+def test_sgd_group_without_momentum_resumes(tmp_path: Path) -> None:
+    """SGD keeps no state for a group without momentum: load read everything, then torch's
+    strict set_state_dict raised 'Missing optimizer state for parameter' after the model was
+    filled."""
+
+    def build(fill: float):
+        model = nn.ParameterDict({n: nn.Parameter(torch.full((3,), fill)) for n in "sw"})
+        opt = torch.optim.SGD(
+            [{"params": [model["s"]], "lr": 0.1}, {"params": [model["w"]], "momentum": 0.9}],
+            lr=0.2,
+        )
+        return model, opt
+
+    model, opt = build(1.0)
+    sum(p.sum() for p in model.values()).backward()
+    opt.step()
+    ck.save(tmp_path, model, opt, step=1)
+    fresh, fresh_opt = build(0.0)
+    ck.load(tmp_path, fresh, fresh_opt)
+    assert all(torch.equal(fresh[n], model[n]) for n in "sw")
+    assert torch.equal(fresh_opt.state[fresh["w"]]["momentum_buffer"], torch.ones(3))
+    assert fresh["s"] not in fresh_opt.state

@@ -178,16 +178,19 @@ def _saved_group_params(info: CheckpointInfo, groups: int) -> list[list[str]]:
 
 
 def stateless_params(info: CheckpointInfo, state: dict[str, Any]) -> list[str]:
-    """The parameters that have optimizer state now but none at all in the checkpoint.
+    """The optimizer's parameters that have no state at all in the checkpoint.
 
     An optimizer keeps no state for a parameter that has not had a gradient yet (a layer the
-    data never reached, an expert no token picked). Such a parameter is resumed stateless, as
-    it was saved; a parameter with only part of its state saved is a mismatch (`check_fits`).
+    data never reached, an expert no token picked), nor for one whose group needs none (SGD
+    without momentum). Such a parameter is resumed stateless, as it was saved; a parameter with
+    only part of its state saved is a mismatch (`check_fits`).
     """
     saved = info.metadata.state_dict_metadata
     prefixes = {key.rsplit(".", 1)[0] for key in saved if key.startswith("optim.state.")}
-    own = state.get("optim", {}).get("state", {})
-    return [fqn for fqn in own if f"optim.state.{fqn}" not in prefixes]
+    optim = state.get("optim", {})
+    names = list(optim.get("state", {}))
+    names += [n for g in optim.get("param_groups", []) for n in g["params"] if n not in names]
+    return [fqn for fqn in names if f"optim.state.{fqn}" not in prefixes]
 
 
 def without(state: dict[str, Any], stateless: list[str]) -> dict[str, Any]:
