@@ -41,4 +41,7 @@ TORCH_LIBRARY(grouped_ep, m) {
   // float32 [A, SR, SC]; row_block: int64 [R]; col_block: int64 [C]; out: [A, R, C], any strides;
   // rows spread over `threads` threads.
   m.def("dequantize(Tensor q, Tensor scale, Tensor row_block, Tensor col_block, Tensor(a!) out, str format, int threads=1) -> ()");
+  // CRC32C (csrc/io/crc32c.cpp) of lengths[i] bytes at offsets[i] of file `path`, for each i:
+  // int64 [N]. offsets, lengths: int64 [N] CPU. Ranges spread over `threads` threads.
+  m.def("crc32c(str path, Tensor offsets, Tensor lengths, int threads=4) -> Tensor");
 }

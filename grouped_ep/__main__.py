@@ -6,7 +6,7 @@ Commands:
                   on a failure). Builds nothing, needs no network: run it first on a new node.
     inspect DIR   list a checkpoint's tensors, shapes, dtypes, chunks and files, and check that
                   every element of every tensor is saved exactly once and that every chunk's
-                  bytes match the CRC32 saved with them (exit code 1 if not).
+                  bytes match the CRC32C saved with them (exit code 1 if not).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import json
 
     from grouped_ep.checkpoint import CheckpointError, describe
-    from grouped_ep.checkpoint.checksum import verify_share
+    from grouped_ep.checkpoint.checksum import FORMAT, verify_share
     from grouped_ep.checkpoint.inspect import format_report
     from grouped_ep.checkpoint.layout import MANIFEST_FILE, resolve
 
@@ -32,13 +32,13 @@ def _inspect(args: argparse.Namespace) -> int:
         manifest = json.loads((info.path / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         manifest = {}
-    crc = isinstance(manifest, dict) and manifest.get("checksums") == "crc32"
+    crc = isinstance(manifest, dict) and manifest.get("checksums") == FORMAT
     checked = crc and not args.no_verify and not info.problems
     if checked:  # reads every data file
         info.problems += verify_share(info)
     print(format_report(info, chunks=not args.summary))
     if checked and not info.problems:
-        print("OK: every chunk's bytes match the CRC32 saved with them")
+        print("OK: every chunk's bytes match the CRC32C saved with them")
     elif not crc:
         print("(saved without checksums: values not verified)")
     if info.problems:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="a checkpoint directory, or a root with a `latest` file")
     p.add_argument("--summary", action="store_true", help="one line per tensor, no chunks")
     p.add_argument(
-        "--no-verify", action="store_true", help="skip the CRC32 check (it reads every data file)"
+        "--no-verify", action="store_true", help="skip the CRC32C check (it reads every data file)"
     )
     p.set_defaults(func=_inspect)
 

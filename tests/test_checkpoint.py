@@ -56,7 +56,7 @@ def test_layout_latest_and_roundtrip(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.iterdir()) == [
         ".metadata",
         "__0_0.distcp",
-        "__0_crc32.json",
+        "__0_crc32c.json",
         "extra-rank00000.pt",
         "grouped_ep.json",
     ]

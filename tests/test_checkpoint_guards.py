@@ -198,7 +198,7 @@ def test_same_step_save_that_dies_between_renames_keeps_the_old_one(tmp_path, mo
     assert torch.equal(got.weight, old.weight)
 
 
-@pytest.mark.parametrize("checksums", [True, False], ids=["crc32", "older_save_without"])
+@pytest.mark.parametrize("checksums", [True, False], ids=["crc32c", "older_save_without"])
 def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path, checksums: bool) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))  # every chunk under 1 MB
     step = ck.save(tmp_path, model, step=1)
@@ -232,10 +232,10 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
     model(torch.randn(2, 64)).sum().backward()
     opt.step()
     step = ck.save(tmp_path, model, opt, step=1)
-    assert (step / "__0_crc32.json").is_file()
+    assert (step / "__0_crc32c.json").is_file()
     cli = [sys.executable, "-m", "grouped_ep", "inspect", str(tmp_path), "--summary"]
     ok = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "match the CRC32 saved with them" in ok.stdout
+    assert ok.returncode == 0 and "match the CRC32C saved with them" in ok.stdout
     chunk = ck.describe(step).tensors["model.0.weight"].chunks[0]
     data = bytearray((step / chunk.file).read_bytes())
     at = data.find(model[0].weight.detach().numpy().tobytes(), chunk.file_offset)
@@ -247,7 +247,7 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
     before = [p.clone() for p in fresh.parameters()]
     with pytest.raises(
         ck.CheckpointError,
-        match=r"__0_0\.distcp: the bytes of 'model\.0\.weight' .* do not match the CRC32",
+        match=r"__0_0\.distcp: the bytes of 'model\.0\.weight' .* do not match the CRC32C",
     ):
         ck.load(tmp_path, fresh, fresh_opt)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
@@ -262,11 +262,11 @@ def test_flipped_bit_in_tensor_data_is_refused_and_inspect_reports_it(tmp_path: 
 @pytest.mark.parametrize(
     "table",
     [
-        {"crc32": None},
-        {"crc32": []},
-        {"crc32": {"__0_0.distcp": []}},
-        {"crc32": {"__0_0.distcp": [[0, 5]]}},
-        {"crc32": {"__0_0.distcp": [None]}},
+        {"crc32c": None},
+        {"crc32c": []},
+        {"crc32c": {"__0_0.distcp": []}},
+        {"crc32c": {"__0_0.distcp": [[0, 5]]}},
+        {"crc32c": {"__0_0.distcp": [None]}},
         [],
     ],
     ids=["null", "list", "no_rows", "short_row", "null_row", "not_an_object"],
@@ -276,8 +276,8 @@ def test_malformed_checksum_file_is_a_checkpoint_error(tmp_path: Path, table) ->
     OK) or raised bare AttributeError / ValueError / TypeError."""
     model = nn.Linear(8, 4)
     step = ck.save(tmp_path, model, step=1)
-    (step / "__0_crc32.json").write_text(json.dumps(table))
-    with pytest.raises(ck.CheckpointError, match=r"checking checksums failed .*__0_crc32\.json"):
+    (step / "__0_crc32c.json").write_text(json.dumps(table))
+    with pytest.raises(ck.CheckpointError, match=r"checking checksums failed .*__0_crc32c\.json"):
         ck.load(tmp_path, nn.Linear(8, 4))
 
 

@@ -96,3 +96,39 @@ def test_default_threads_shares_cores_with_local_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         default_threads()
+
+
+def _crc32c_reference(data: bytes) -> int:
+    """Bit by bit, from the definition (reflected Castagnoli polynomial 0x82F63B78)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_of_file_ranges(tmp_path):
+    """The checkpoint checksums' native CRC32C: the standard check value, every length 0..40 at
+    unaligned offsets (the 8-byte steps and the byte tail), ranges on several threads, and an
+    error naming the file and offset for a range past its end."""
+    import os
+
+    data = b"123456789" + os.urandom(5000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    op = torch.ops.grouped_ep.crc32c
+    assert op(str(path), torch.tensor([0]), torch.tensor([9])).item() == 0xE3069283
+    spans = [(o, n) for o in (0, 3, 13) for n in range(41)] + [(100, 4900), (0, len(data))]
+    for threads in (1, 3):
+        got = op(
+            str(path),
+            torch.tensor([o for o, _ in spans]),
+            torch.tensor([n for _, n in spans]),
+            threads,
+        ).tolist()
+        assert got == [_crc32c_reference(data[o : o + n]) for o, n in spans]
+    with pytest.raises(RuntimeError, match=rf"{path}: file ends at offset {len(data)}, inside"):
+        op(str(path), torch.tensor([len(data) - 4]), torch.tensor([10]))
+    with pytest.raises(RuntimeError, match=r"cannot open .*missing"):
+        op(str(tmp_path / "missing"), torch.tensor([0]), torch.tensor([1]))

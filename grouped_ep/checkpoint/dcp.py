@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
+from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import ChecksumWriter, verify_share
 from grouped_ep.checkpoint.collective import (
     all_ok,
@@ -230,7 +231,7 @@ def save(
         "world_size": world(),
         "has_optimizer": optimizer is not None,
         "has_extra": extra is not None,
-        "checksums": "crc32",  # every chunk's, beside the data files (checksum.py)
+        "checksums": CHECKSUMS,  # every chunk's CRC32C, beside the data files (checksum.py)
         "torch": torch.__version__,
     }
 
@@ -302,7 +303,7 @@ def load(
         path: a checkpoint directory, or a root whose `latest` file names one.
         model: the model to fill; its parameters keep their placements.
         optimizer: an optimizer over `model`'s parameters, or None (optimizer state not read).
-        verify: check every chunk's bytes against the CRC32 saved with it before anything is
+        verify: check every chunk's bytes against the CRC32C saved with it before anything is
             read into the model (each rank checks a share of the data files: the checkpoint is
             read once more in all). False skips it. Checkpoints saved without checksums (older
             versions) are not checked.
@@ -361,7 +362,7 @@ def _load(
     ckpt_s, manifest, stateless = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
-    if verify_ and manifest.get("checksums") == "crc32":  # each rank checks a share of the files
+    if verify_ and manifest.get("checksums") == CHECKSUMS:  # each rank checks a share of the files
         try:
             problems = verify_share(describe(ckpt), rank(), world())
         except Exception as e:  # on every rank to all_ok: no rank left waiting
