@@ -6,7 +6,8 @@ alternating rep by rep (the machine is shared). GB/s counts the unique bytes of 
 optimizer state; disk_over_unique = bytes on disk / unique bytes. Peak RSS growth of a load is
 measured in a fresh process per side (peak reset through /proc/self/clear_refs just before the
 load). blocked_*: how long `save` keeps the training loop waiting, sync vs `async_save=True`
-(the async save's total time until `result()` is async_total_s)."""
+(the async save's total time until `result()` is async_total_s). load_x includes the check of
+every chunk's CRC32C (the default); load_unchecked_x is the same load with `verify=False`."""
 
 from __future__ import annotations
 
@@ -182,8 +183,13 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
     with warnings.catch_warnings():  # DCP warns that it runs in one process: it does
         warnings.simplefilter("ignore", UserWarning)
         t_save, t_save_dcp, t_async = _alternating([save_ours, save_plain, save_async], reps)
-        t_load, t_load_dcp = _alternating(
-            [lambda: ck.load(ours, model, opt), lambda: plain_load(plain, model, opt)], reps
+        t_load, t_load_dcp, t_load_unchecked = _alternating(
+            [
+                lambda: ck.load(ours, model, opt),
+                lambda: plain_load(plain, model, opt),
+                lambda: ck.load(ours, model, opt, verify=False),
+            ],
+            reps,
         )
     rss_ours = _rss_in_subprocess(case, "ours", ours)
     rss_plain = _rss_in_subprocess(case, "plain", plain)
@@ -197,6 +203,7 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
         "load_GBps": gb / t_load,
         "dcp_load_GBps": gb / t_load_dcp,
         "load_x": t_load_dcp / t_load,
+        "load_unchecked_x": t_load_dcp / t_load_unchecked,  # verify=False: no CRC32C pass
         "load_rss_MB": rss_ours,
         "dcp_load_rss_MB": rss_plain,
         "load_rss_over_dcp": rss_ours / max(rss_plain, 1e-9),
