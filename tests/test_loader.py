@@ -548,6 +548,12 @@ def test_checkpoint_not_found(tmp_path):
     _expect(
         r"expected model\.safetensors\.index\.json or a single", _fused_model(), tmp_path / "empty"
     )
+    torch.save(_fused_model().state_dict(), tmp_path / "empty" / "pytorch_model.bin")
+    _expect(
+        r"pytorch_model\.bin is a pickled \(torch\.save\) checkpoint, which is not read",
+        _fused_model(),
+        tmp_path / "empty",
+    )
 
 
 # ---- the native reader ---------------------------------------------------------------------------

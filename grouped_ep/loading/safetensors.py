@@ -259,9 +259,16 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
             elif not indexes and len(files) == 1:
                 single = files[0]
             else:
+                pickled = sorted(p.name for p in path.glob("*.bin")) if not files else []
+                hint = (
+                    f"; {pickled[0]} is a pickled (torch.save) checkpoint, which is not read: "
+                    "save it as safetensors (transformers' save_pretrained does by default)"
+                    if pickled
+                    else ""
+                )
                 raise LoadError(
                     f"{path}: expected {INDEX_NAME} or a single .safetensors file, found "
-                    f"{len(indexes)} index files and {len(files)} .safetensors files"
+                    f"{len(indexes)} index files and {len(files)} .safetensors files{hint}"
                 )
     elif path.name.endswith(".index.json"):
         index_path = path
