@@ -164,3 +164,44 @@ def test_export_after_parallelize_writes_experts_without_gathering_them(tmp_path
     for r in results:
         assert all(len(s) < 3 for s in r["gathered"]), r["gathered"]
     _check_export(out)  # every key once, loads in transformers with the reference's logits
+
+
+def test_a_failed_rename_raises_and_leaves_no_index(tmp_path: Path, monkeypatch) -> None:
+    """A rename that failed after the earlier index was removed went unreported to the other
+    ranks (they waited in a collective) and left `.tmp-` files behind."""
+    import os
+
+    out = tmp_path / "hf"
+    model = tiny_qwen3_moe(seed=0)
+    ck.export_hf(model, out, max_shard_size="10KB")
+    replace = os.replace
+    calls = []
+
+    def fail_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise PermissionError("read-only (injected)")
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_second)
+    with pytest.raises(ck.CheckpointError, match=r"renaming the files in .*no index.*read-only"):
+        ck.export_hf(model, out, max_shard_size="10KB")
+    monkeypatch.undo()
+    assert not (out / "model.safetensors.index.json").exists()  # does not load as a model
+    assert not list(out.glob(".tmp-*"))
+    ck.export_hf(model, out, max_shard_size="10KB")  # a new export puts it right
+    _check_export(out)
+
+
+def test_export_of_a_compiled_model_writes_the_models_keys(tmp_path: Path) -> None:
+    """torch.compile's wrapper gave `_orig_mod.` keys and architectures ['OptimizedModule']:
+    transformers loaded that with every weight missing and re-initialized, without an error."""
+    out = tmp_path / "hf"
+    ck.export_hf(torch.compile(tiny_qwen3_moe(seed=0)), out, max_shard_size="10KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if "_orig_mod" in k]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    _check_export(out)  # logits equal the seed-0 model's
+    with pytest.raises(ck.CheckpointError, match="Module has no tensors to export"):
+        ck.export_hf(nn.Module(), tmp_path / "empty")

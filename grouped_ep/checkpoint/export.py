@@ -1,13 +1,9 @@
 """Export a (sharded) model to the Hugging Face safetensors layout with per-expert keys.
 
-Stacked expert weights are split into the per-expert 2D keys that Hugging Face checkpoints
-use (and that transformers v5 fuses back on load):
-
-    <prefix>.gate_up_proj [E, 2I, H] -> <prefix>.{i}.gate_proj.weight [I, H]  (rows 0:I)
-                                        <prefix>.{i}.up_proj.weight   [I, H]  (rows I:2I)
-    <prefix>.down_proj    [E, H, I]  -> <prefix>.{i}.down_proj.weight [H, I]
-
-Every other tensor keeps its name. Expert ids are written in numeric order.
+Stacked expert weights are split into the per-expert 2D keys of Hugging Face checkpoints
+(which transformers v5 fuses back on load): `gate_up_proj [E, 2I, H]` into
+`{i}.gate_proj.weight [I, H]` (rows 0:I) and `{i}.up_proj.weight` (rows I:2I), `down_proj
+[E, H, I]` into `{i}.down_proj.weight [H, I]`, in numeric expert order; other names stay.
 
 A transformers model is exported with transformers' own reverse conversion
 (`revert_weight_conversion`, what `save_pretrained` uses), so every architecture gets the keys
@@ -27,7 +23,7 @@ Model tensors that transformers' conversion merges into one key (`q_proj`, `k_pr
 into a fused `qkv_proj`; text and vision experts into one expert list) are converted together,
 gathered whole on one rank.
 Files are written under temporary names, renamed once every rank has finished, and the index
-comes last (rank 0), so a failed export never looks complete.
+comes last (rank 0), so a failed export never looks complete (a failed rename leaves no index).
 """
 
 from __future__ import annotations
@@ -50,27 +46,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.layout import write_text_atomic
-from grouped_ep.checkpoint.safetensors_writer import PlannedTensor, StreamingSafetensorsWriter
+from grouped_ep.checkpoint.safetensors_writer import (
+    PlannedTensor,
+    StreamingSafetensorsWriter,
+    parse_size,
+)
 from grouped_ep.loading.keys import conversion_groups, is_transformers_model, revert_conversion
 
 INDEX_FILE = "model.safetensors.index.json"
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string like "5GB" (10^9) or "500MiB" (2^20)."""
-    if isinstance(size, int):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
-        unit = m.group(2).upper() if m else ""
-        if not m or (unit and unit not in _SIZE_UNITS):
-            raise ValueError(f"export_hf: max_shard_size {size!r} is not a size like '5GB'")
-        n = int(float(m.group(1)) * _SIZE_UNITS[unit or "B"])
-    if n <= 0:
-        raise ValueError(f"export_hf: max_shard_size must be positive, got {size!r}")
-    return n
 
 
 def split_expert_tensor(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
@@ -286,9 +269,9 @@ def export_hf(
     at a time). No rank holds more than its shard plus one tensor being written. Stacked expert
     weights `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become per-expert 2D keys
     (`...{i}.gate_proj.weight` [I, H], `up_proj`, `down_proj` [H, I]); other names stay.
-
     Args:
-        model: the model; parameters may be DTensors or plain tensors (the same on every rank).
+        model: the model (or its torch.compile wrapper); parameters may be DTensors or plain
+            tensors (the same on every rank).
         dir: output directory (created). Weight files of an earlier checkpoint there
             (`model.safetensors`, `model-*-of-*.safetensors`) are replaced: after the new files
             are in place, those this export did not write are removed.
@@ -297,6 +280,12 @@ def export_hf(
     Returns:
         The index file path on rank 0, None on other ranks.
     """
+    # torch.compile's wrapper: its keys carry `_orig_mod.` and it is no transformers model.
+    model = (
+        model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+    )
+    if not any(True for _ in model.state_dict()):
+        raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
     limit = parse_size(max_shard_size)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -340,11 +329,22 @@ def export_hf(
         for name in names:
             (out_dir / f".tmp-{name}").unlink(missing_ok=True)
         raise
-    # From here the earlier index must not describe a half-new export: it goes first.
+    # From here the earlier index must not describe a half-new export: it goes first. A failed
+    # rename is raised on every rank (no rank left waiting in a collective) and leaves no index,
+    # so the directory does not load as a model.
     on_rank0(lambda: index_path.unlink(missing_ok=True))
-    for name in names:
-        os.replace(out_dir / f".tmp-{name}", out_dir / name)
-    all_ok(None, f"export_hf: renaming the files in {out_dir}")
+    error = None
+    try:
+        for name in names:
+            os.replace(out_dir / f".tmp-{name}", out_dir / name)
+    except OSError as e:
+        error = e
+    try:
+        all_ok(error, f"export_hf: renaming the files in {out_dir} (it holds no index now)")
+    except CheckpointError:
+        for name in names:
+            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+        raise
 
     def write_index() -> Path:
         # Weight files of an earlier export (or a save_pretrained) into this directory go: the
@@ -435,9 +435,12 @@ def _write_rank(
             error = exc
         finally:
             group = items = None  # one entry staged at a time: drop it before the next gather
+    if writer is not None:
+        try:
+            writer.close()
+        except Exception as exc:
+            error = error or exc
     if error is not None:
         raise error
-    if writer is not None:
-        writer.close()
     if cursor != len(queue):
         raise CheckpointError(f"export_hf: rank {rank} wrote {cursor} of its {len(queue)} keys")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,3 +84,22 @@ class StreamingSafetensorsWriter:
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
+
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string like "5GB" (10^9) or "500MiB" (2^20)."""
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else ""
+        if not m or (unit and unit not in _SIZE_UNITS):
+            raise ValueError(f"export_hf: max_shard_size {size!r} is not a size like '5GB'")
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit or "B"])
+    if n <= 0:
+        raise ValueError(f"export_hf: max_shard_size must be positive, got {size!r}")
+    return n
