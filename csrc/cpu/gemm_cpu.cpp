@@ -8,6 +8,7 @@
 // gemm_plan.h. The own AVX-512 and AVX2 kernels prefetch the next task's operands while they
 // compute (`run_tasks` tells each task which one its thread runs next).
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -80,7 +81,12 @@ void run_tasks(const std::vector<Task>& tasks, const Fn& fn) {
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  // The caller's thread-local state (inference mode, the below-autograd dispatch guard) goes
+  // with the tasks: ATen ops on other threads without it refused to write an inference
+  // tensor ("Inplace update to inference tensor outside InferenceMode").
+  const at::ThreadLocalState state;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard guard(state);
     for (int64_t i = next.fetch_add(1); i < n;) {
       const int64_t j = next.fetch_add(1);
       fn(tasks[i], j < n ? &tasks[j] : nullptr);
