@@ -362,3 +362,43 @@ def test_buffers_that_cannot_be_recomputed_are_named(tmp_path):
     with pytest.raises(LoadError, match=r"inner\.scale \(Scaled: TypeError: .*\['n'\]"):
         load_sharded(model, tmp_path, device="cpu")
     assert model.inner.w.is_meta  # a failed load changes nothing
+
+
+def test_expert_bias_gradients_in_bf16_are_as_accurate_as_eager():
+    """gpt-oss's per-expert biases: their gradient summed each expert's rows into a bf16 tensor
+    one at a time (1.17 relative error against fp64 where eager's was 0.02). Now it is summed
+    in fp32, as eager's broadcast add is."""
+    import copy
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(
+        vocab_size=97, hidden_size=67, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, intermediate_size=33, num_local_experts=7, num_experts_per_tok=7,
+        head_dim=16, layer_types=["full_attention"], sliding_window=8,
+    )  # fmt: skip
+    ref = GptOssForCausalLM(cfg).double()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "bias" in n:
+                p.normal_(0, 0.05)
+    ids = torch.randint(0, 97, (1, 257))
+
+    def bias_grads(model, impl):
+        model.set_experts_implementation(impl)
+        out = model(input_ids=ids).logits.double()
+        (
+            out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)
+        ).sum().backward()
+        experts = model.model.layers[0].mlp.experts
+        return [experts.gate_up_proj_bias.grad.double(), experts.down_proj_bias.grad.double()]
+
+    eager_bf16, ours_bf16 = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref).bfloat16()
+    want = bias_grads(ref, "eager")
+    eager = bias_grads(eager_bf16, "eager")
+    ours = bias_grads(ours_bf16, "grouped_ep")
+    for w, e, o in zip(want, eager, ours):
+        scale = w.abs().max()
+        err_eager, err_ours = (e - w).abs().max() / scale, (o - w).abs().max() / scale
+        assert err_ours <= 1.5 * err_eager + 1e-3, (err_ours.item(), err_eager.item())
