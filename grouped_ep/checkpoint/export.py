@@ -318,33 +318,31 @@ def export_hf(
     # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
     # readable until every rank has written all of its files, and a failed export removes its
     # own temporary files and changes nothing else.
-    error: Exception | None = None
-    try:
-        _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
-    except Exception as e:
-        error = e
-    try:
-        all_ok(error, f"export_hf: writing {out_dir}")
-    except CheckpointError:
-        for name in names:
-            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
-        raise
+    def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go
+        error = None
+        try:
+            work()
+        except Exception as e:
+            error = e
+        try:
+            all_ok(error, f"export_hf: {what}")
+        except CheckpointError:
+            for name in names:
+                (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+            raise
+
+    step(
+        f"writing {out_dir}",
+        lambda: _write_rank(model, entries, rank, per_rank[rank], out_dir, names),
+    )
     # From here the earlier index must not describe a half-new export: it goes first. A failed
     # rename is raised on every rank (no rank left waiting in a collective) and leaves no index,
     # so the directory does not load as a model.
     on_rank0(lambda: index_path.unlink(missing_ok=True))
-    error = None
-    try:
-        for name in names:
-            os.replace(out_dir / f".tmp-{name}", out_dir / name)
-    except OSError as e:
-        error = e
-    try:
-        all_ok(error, f"export_hf: renaming the files in {out_dir} (it holds no index now)")
-    except CheckpointError:
-        for name in names:
-            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
-        raise
+    step(
+        f"renaming the files in {out_dir} (it holds no index now)",
+        lambda: [os.replace(out_dir / f".tmp-{n}", out_dir / n) for n in names],
+    )
 
     def write_index() -> Path:
         # Weight files of an earlier export (or a save_pretrained) into this directory go: the
