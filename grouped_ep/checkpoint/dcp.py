@@ -342,10 +342,12 @@ def _load(
     verify_: bool,
 ) -> dict[str, Any] | None:
     current = _state(model, optimizer, keep_made_state=True)
+    described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
     def check() -> tuple[str, dict[str, Any]]:
         ckpt = resolve(path)
         info = describe(ckpt)
+        described.append(info)
         info.raise_if_invalid()
         manifest_path = ckpt / MANIFEST_FILE
         try:
@@ -364,7 +366,8 @@ def _load(
     ckpt = Path(ckpt_s)
     if verify_ and manifest.get("checksums") == CHECKSUMS:  # each rank checks a share of the files
         try:
-            problems = verify_share(describe(ckpt), rank(), world())
+            info = described[0] if described else describe(ckpt)  # rank 0 has read it already
+            problems = verify_share(info, rank(), world())
         except Exception as e:  # on every rank to all_ok: no rank left waiting
             problems = [f"{type(e).__name__}: {e}"]
         shown = "; ".join(problems[:5]) + (
@@ -372,7 +375,7 @@ def _load(
         )
         all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
     if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
-        on_rank0(lambda: check_param_groups(describe(ckpt), current))
+        on_rank0(lambda: check_param_groups(described[0], current))
     own = ckpt / f"extra-rank{rank():05d}.pt"
     extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails

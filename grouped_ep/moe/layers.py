@@ -138,12 +138,18 @@ def route(
     return logits, weights.to(logits.dtype), expert_ids
 
 
+def in_backward() -> bool:
+    """Whether this forward runs inside a backward pass (activation checkpointing's recompute,
+    reentrant or not); False while torch.compile traces."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _recomputing() -> bool:
     """Whether this forward is non-reentrant activation checkpointing recomputing one in the
     backward pass: the first forward counted its tokens (counting them again doubled the load
     counts that `update_expert_bias` returns). Reentrant checkpointing runs the first forward
     under no_grad, uncounted, so its recompute counts."""
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+    if not in_backward():
         return False
     try:  # torch.utils.checkpoint's recompute runs under its own saved-tensors hooks
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

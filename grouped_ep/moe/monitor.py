@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from grouped_ep.moe.layers import in_backward
+
 __all__ = ["ExpertLoadCounter"]
 
 
@@ -33,12 +35,6 @@ def _hf_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, module in model.named_modules()
         if is_experts_module(module) and not isinstance(module, GroupedExperts)
     ]
-
-
-def _in_backward() -> bool:
-    """Whether this forward runs inside a backward pass: activation checkpointing's recompute
-    (reentrant or not) of a forward that was counted when it first ran."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _count(ids: Tensor, num_experts: int) -> Tensor:
@@ -82,8 +78,8 @@ class ExpertLoadCounter:
                 raise ValueError(
                     f"ExpertLoadCounter: {self.names[index]} was called without top_k_index"
                 )
-            if _in_backward():
-                return  # activation checkpointing recomputing a counted forward
+            if in_backward():
+                return  # activation checkpointing recomputing a forward counted when it ran
             with torch.no_grad():
                 counts = _count(ids.reshape(-1), module.num_experts)
                 seen = self._counts[index]
