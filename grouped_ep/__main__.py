@@ -16,26 +16,33 @@ import sys
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import json
-
     from grouped_ep.checkpoint import CheckpointError, describe
-    from grouped_ep.checkpoint.checksum import FORMAT, verify_share
+    from grouped_ep.checkpoint.checksum import (
+        has_checksums,
+        read_manifest,
+        verify_file,
+        verify_share,
+    )
     from grouped_ep.checkpoint.inspect import format_report
-    from grouped_ep.checkpoint.layout import MANIFEST_FILE, resolve
+    from grouped_ep.checkpoint.layout import resolve
 
     try:
         info = describe(resolve(args.dir))
+        manifest = read_manifest(info.path)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    try:
-        manifest = json.loads((info.path / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    crc = isinstance(manifest, dict) and manifest.get("checksums") == FORMAT
+    crc = has_checksums(info.path, manifest)
     checked = crc and not args.no_verify and not info.problems
     if checked:  # reads every data file
-        info.problems += verify_share(info)
+        info.problems += verify_share(info, save_id=manifest.get("save_id"))
+        for extra in sorted(info.path.glob("extra-rank*.pt")):  # each rank's `extra`
+            owner = extra.stem.removeprefix("extra-rank")
+            problem = owner.isdigit() and verify_file(
+                info.path, extra.name, int(owner), manifest.get("save_id")
+            )
+            if problem:
+                info.problems.append(problem)
     print(format_report(info, chunks=not args.summary))
     if checked and not info.problems:
         print("OK: every chunk's bytes match the CRC32C saved with them")

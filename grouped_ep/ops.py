@@ -89,10 +89,17 @@ def _wrap_weight_grad(dw: Tensor, w: Tensor, rows: Tensor) -> Tensor:
 
 
 def _check_rows_match_experts(x: Tensor, w: Tensor) -> None:
-    """A Replicate() x where w is Shard(0) on the same mesh dim: every rank would multiply the
-    same rows by different experts, an output no DTensor placement describes."""
-    if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or x.device_mesh != w.device_mesh:
+    """x and w DTensors on one mesh, and no Replicate() x where w is Shard(0) on the same mesh
+    dim: every rank would multiply the same rows by different experts, an output no DTensor
+    placement describes."""
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor)):
         return
+    if x.device_mesh != w.device_mesh:  # which dims of one cover which of the other is unknown
+        raise ValueError(
+            f"grouped_ep.gemm: x is a DTensor on {x.device_mesh} and w on another mesh, "
+            f"{w.device_mesh}; the output's and the weight gradient's placements are only "
+            "known on one mesh. Pass x on w's mesh, or as a plain tensor (this rank's rows)."
+        )
     for i, (px, pw) in enumerate(zip(x.placements, w.placements)):
         if isinstance(px, Replicate) and isinstance(pw, Shard):
             raise ValueError(

@@ -245,6 +245,16 @@ def _loss_on_dtensor_output(rank: int, world: int):
         out["error"] = None
     except ValueError as e:
         out["error"] = str(e)
+    # x on a 1-D submesh of w's 2-D mesh: the placement rules above cannot be applied across
+    # meshes (the gradient came back Partial on both dims, world_size times too large).
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    w_2d = DTensor.from_local(w.clone(), mesh2, [Replicate(), Replicate()])
+    x_ep = DTensor.from_local(x.clone(), mesh2["ep"], [Replicate()])
+    try:
+        torch.ops.grouped_ep.gemm(x_ep, w_2d, offs, False)
+        out["other_mesh"] = None
+    except ValueError as e:
+        out["other_mesh"] = str(e)
     return out
 
 
@@ -272,3 +282,5 @@ def test_loss_on_dtensor_output_gives_the_right_gradients():
             gw, wgrad_ref(x, torch.ones(x.shape[0], N, dtype=torch.float64), offs), torch.float64
         )
         assert "x is Replicate() on mesh dim 0 ('ep'), where w is Shard(0)" in out["error"]
+        assert "x is a DTensor on DeviceMesh" in out["other_mesh"], out["other_mesh"]
+        assert "Pass x on w's mesh" in out["other_mesh"]

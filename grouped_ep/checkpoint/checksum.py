@@ -10,6 +10,10 @@ CRCs are computed natively (`torch.ops.grouped_ep.crc32c`, csrc/io/crc32c.cpp: S
 page cache to CRC it ran at 3.5 GB/s on one thread and 6.3 on two, where Python's zlib.crc32
 alone ran at 2.0 GB/s (Intel Xeon, 2026-11-25).
 
+Each table also holds the save's id (a random hex string, in the manifest too: a data file and
+its table copied in from another checkpoint are refused) and, where the rank saved `extra`, the
+CRC32C of its `extra-rank<r>.pt`. Tables are written and fsynced before the commit.
+
 `verify_share(info, part, parts)` checks the chunks of every `parts`-th data file from `part` on:
 `load` gives each rank its share (every file is read once, by one rank), `inspect` checks all.
 """
@@ -23,7 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import CheckpointInfo
+from grouped_ep.checkpoint.layout import MANIFEST_FILE, write_text_atomic
 
 FORMAT = "crc32c"  # the manifest's "checksums" value, and the checksum tables' key
 SUFFIX = FORMAT + ".json"
@@ -43,8 +49,19 @@ def crc32c(path: Path, spans: list[tuple[int, int]]) -> list[int]:
     return torch.ops.grouped_ep.crc32c(str(path), offsets, lengths, _threads()).tolist()
 
 
+def file_crc(path: Path) -> list[int]:
+    """`[length, CRC32C]` of the whole file `path`."""
+    length = path.stat().st_size
+    return [length, crc32c(path, [(0, length)])[0] if length else 0]
+
+
 class ChecksumWriter(dcp.FileSystemWriter):
-    """`FileSystemWriter` that also writes the CRC32C of every chunk this rank wrote."""
+    """`FileSystemWriter` that also writes the CRC32C of every chunk this rank wrote, the save's
+    id (`save_id`) and the `[length, CRC32C]` of this rank's other files (`files`)."""
+
+    def __init__(self, path: str, save_id: str, files: dict[str, list[int]], **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.save_id, self.files = save_id, files
 
     def write_data(self, plan, planner):
         results = super().write_data(plan, planner).wait()
@@ -58,7 +75,8 @@ class ChecksumWriter(dcp.FileSystemWriter):
             spans = sorted(spans)
             sums[name] = [[o, n, c] for (o, n), c in zip(spans, crc32c(root / name, spans))]
         prefix = plan.storage_data.prefix
-        (root / f"{prefix}{SUFFIX}").write_text(json.dumps({FORMAT: sums}))
+        table = {FORMAT: sums, "save_id": self.save_id, "files": self.files}
+        write_text_atomic(root / f"{prefix}{SUFFIX}", json.dumps(table))
         done = torch.futures.Future()
         done.set_result(results)
         return done
@@ -85,22 +103,83 @@ def _spans(value) -> dict[tuple[int, int], int] | None:
     return out
 
 
-def _read_table(side: Path) -> tuple[dict | None, str | None]:
-    """The checksum table of file `side`, or (None, what is wrong with it)."""
+def _read_table(side: Path, save_id: str | None) -> tuple[dict | None, str | None]:
+    """The table of checksum file `side` (`{FORMAT: ..., "save_id": ..., "files": ...}`), or
+    (None, what is wrong with it); with `save_id`, the table must be of that save."""
     try:
         table = json.loads(side.read_text())
     except (OSError, ValueError) as e:
         return None, f"{side}: cannot read it ({e})"
     if not isinstance(table, dict) or not isinstance(table.get(FORMAT), dict):
         return None, f"{side}: not a checksum file (no '{FORMAT}' table)"
-    return table[FORMAT], None
+    if save_id is not None and table.get("save_id") != save_id:
+        return None, (
+            f"{side}: written by another save (id {table.get('save_id')!r}, the manifest's is "
+            f"{save_id!r}): files of another checkpoint were copied in"
+        )
+    return table, None
 
 
-def verify_share(info: CheckpointInfo, part: int = 0, parts: int = 1) -> list[str]:
+def read_manifest(ckpt: Path) -> dict:
+    """The manifest of checkpoint directory `ckpt`, {} for a plain DCP checkpoint. Raises
+    CheckpointError when it cannot be read, or is missing where checksum tables show that
+    grouped_ep saved the checkpoint (without it nothing would say to check them)."""
+    path = ckpt / MANIFEST_FILE
+    if not path.is_file():
+        tables = sorted(p.name for p in ckpt.glob(f"__*_{SUFFIX}"))
+        if tables:
+            raise CheckpointError(
+                f"{path} is missing, but {ckpt} holds checksum tables ({tables[0]}, ...) of a "
+                "grouped_ep save, which always writes it: the checkpoint is incomplete or damaged"
+            )
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path} ({e})") from e
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is not a grouped_ep manifest (not a JSON object)")
+    return manifest
+
+
+def has_checksums(ckpt: Path, manifest: dict) -> bool:
+    """Whether `ckpt` was saved with checksums: its manifest says so, or tables are there."""
+    return manifest.get("checksums") == FORMAT or any(ckpt.glob(f"__*_{SUFFIX}"))
+
+
+def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str | None:
+    """What is wrong with file `name` of `ckpt` (an `extra-rank<r>.pt`) against the
+    `[length, CRC32C]` in rank `owner`'s table, or None. Checkpoints saved before these files
+    had checksums (no `save_id` in the manifest) are not checked."""
+    if save_id is None:
+        return None
+    side = ckpt / f"__{owner}_{SUFFIX}"
+    table, problem = _read_table(side, save_id)
+    if problem is not None:
+        return f"{problem}; it holds the checksum of {name}"
+    want = table.get("files", {}).get(name) if isinstance(table.get("files"), dict) else None
+    if not (isinstance(want, list) and len(want) == 2):
+        return f"{side}: no checksum for {name}"
+    try:
+        got = file_crc(ckpt / name)
+    except (OSError, RuntimeError) as e:
+        return f"{ckpt / name}: cannot read it ({str(e).splitlines()[0]})"
+    if got != want:
+        return (
+            f"{ckpt / name}: its bytes do not match the length and CRC32C saved with them "
+            f"({got[0]} bytes, {got[1]:08x}; saved {want[0]}, {want[1]:08x}): the file was "
+            "changed or damaged after the save, or comes from another checkpoint"
+        )
+    return None
+
+
+def verify_share(
+    info: CheckpointInfo, part: int = 0, parts: int = 1, save_id: str | None = None
+) -> list[str]:
     """Problems found checking data files `part`, `part + parts`, ... (sorted by name) against
     the checksums saved with them; [] when they match. Every chunk `.metadata` places in such a
-    file must have its checksum. Call only for a checkpoint saved with checksums (its manifest
-    says `"checksums": "crc32c"`)."""
+    file must have its checksum; with `save_id` (the manifest's), every table must carry it.
+    Call only for a checkpoint saved with checksums (`has_checksums`)."""
     chunks: dict[str, list[tuple[int, int, str]]] = {}
     for key, t in info.tensors.items():
         for c in t.chunks:
@@ -114,13 +193,13 @@ def verify_share(info: CheckpointInfo, part: int = 0, parts: int = 1) -> list[st
             continue
         side = info.path / _sidecar(name)
         if side.name not in tables:
-            tables[side.name] = _read_table(side)
+            tables[side.name] = _read_table(side, save_id)
             if tables[side.name][1] is not None:
                 problems.append(f"{tables[side.name][1]}; it holds the checksums of {name}")
         table = tables[side.name][0]
         if table is None:
             continue
-        sums = _spans(table.get(name))
+        sums = _spans(table[FORMAT].get(name))
         if sums is None:
             problems.append(f"{side}: no well-formed checksums for {name}")
             continue

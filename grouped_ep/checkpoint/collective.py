@@ -35,8 +35,9 @@ def dcp_quiet() -> Iterator[None]:
         yield
 
 
-def on_rank0(fn: Callable[[], _T]) -> _T:
-    """Run `fn` on rank 0 and give every rank its result, or raise its error on every rank."""
+def on_rank0(fn: Callable[[], _T], group: Any = None) -> _T:
+    """Run `fn` on rank 0 and give every rank its result, or raise its error on every rank
+    (over process group `group`, default: the default group, which must hold global rank 0)."""
     if not distributed():
         return fn()
     msg: list[Any] = [None, None]  # [result, error text]
@@ -47,7 +48,7 @@ def on_rank0(fn: Callable[[], _T]) -> _T:
         except (Exception, CheckpointException) as e:  # sent to the other ranks: nobody waits
             # forever (DCP's CheckpointException is a BaseException)
             error, msg[1] = e, f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(msg, src=0)
+    dist.broadcast_object_list(msg, src=0, group=group)
     if error is not None:
         raise error
     if msg[1] is not None:

@@ -7,8 +7,9 @@ Layout of a checkpoint root (`save(root, ...)`):
       step-00000123/         one complete checkpoint
         .metadata            DCP metadata: every key, global shape, dtype, chunks, byte ranges
         __<rank>_0.distcp    the bytes each rank owns (replicated tensors written once)
+        __<rank>_crc32c.json the CRC32C of every chunk and extra file of that rank, the save's id
         extra-rank00000.pt   `extra` of each rank (torch.save), if given
-        grouped_ep.json      manifest: step, world size, whether an optimizer was saved
+        grouped_ep.json      manifest: step, world size, whether an optimizer was saved, save id
       .tmp-step-00000124/    a save in progress (never read; removed by the next save)
 
 A save writes everything into `.tmp-step-N`, waits for every rank, then rank 0 renames it to
@@ -29,10 +30,10 @@ rank, the overlap of the saved chunks with that rank's shard.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,12 @@ import grouped_ep.checkpoint.async_save as background
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
-from grouped_ep.checkpoint.checksum import ChecksumWriter, verify_share
+from grouped_ep.checkpoint.checksum import (
+    ChecksumWriter,
+    has_checksums,
+    read_manifest,
+    verify_share,
+)
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -67,6 +73,7 @@ from grouped_ep.checkpoint.collective import (
 )
 from grouped_ep.checkpoint.direct_reader import DirectReader
 from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.extra import read_extra, write_extra
 from grouped_ep.checkpoint.fit import (
     check_fits,
     check_param_groups,
@@ -78,7 +85,6 @@ from grouped_ep.checkpoint.fit import (
 )
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
-    MANIFEST_FILE,
     TMP_PREFIX,
     commit_step,
     next_step,
@@ -87,7 +93,7 @@ from grouped_ep.checkpoint.layout import (
     restore_swapped_out,
     step_dir_name,
 )
-from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_buffers
+from grouped_ep.loading.buffers import refresh_buffers
 
 __all__ = ["AsyncSave", "save", "load"]
 
@@ -189,7 +195,7 @@ def save(
     if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
 
-    def prepare() -> tuple[int, str]:
+    def prepare() -> tuple[int, str, str]:
         if root.exists() and not root.is_dir():
             raise CheckpointError(f"save: checkpoint root {root} exists and is not a directory")
         if (root / METADATA_FILE).is_file():
@@ -211,19 +217,35 @@ def save(
             tmp.mkdir()
         except OSError as e:
             raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
-        return s, tmp.name
+        return s, tmp.name, uuid.uuid4().hex
 
-    step_, tmp_name = on_rank0(prepare)
+    step_, tmp_name, save_id = on_rank0(prepare)
     tmp = root / tmp_name
     final = root / step_dir_name(step_)
 
-    error = None
+    def failed(what: str, detail: str) -> CheckpointError:
+        """The save's error, once every rank has stopped writing: the partial step is removed
+        (a full disk stays full otherwise) and the free space is said."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
+        except OSError:
+            free = ""
+        return CheckpointError(
+            f"{what} (the partial step was removed{free}; `latest` still names the previous "
+            f"checkpoint): {detail}"
+        )
+
+    error, files = None, {}
     if extra is not None:
         try:
-            torch.save(extra, tmp / f"extra-rank{rank():05d}.pt")
+            files = write_extra(tmp, rank(), extra)
         except Exception as e:
             error = e
-    all_ok(error, f"save: writing extra into {tmp}")
+    try:
+        all_ok(error, f"save: writing extra into {tmp}")
+    except CheckpointError as e:
+        raise failed(f"save: writing extra into {tmp} failed", str(e)) from e
 
     manifest = {
         "format": FORMAT_VERSION,
@@ -232,24 +254,31 @@ def save(
         "has_optimizer": optimizer is not None,
         "has_extra": extra is not None,
         "checksums": CHECKSUMS,  # every chunk's CRC32C, beside the data files (checksum.py)
+        "save_id": save_id,  # in every checksum table too
         "torch": torch.__version__,
     }
 
     def commit() -> Path:
-        if rank() == 0:
+        try:
+            commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+        except OSError as e:
+            raise CheckpointError(
+                f"save: committing {tmp} as {final} failed ({e}); `latest` still names the "
+                "previous checkpoint"
+            ) from e
+        if keep_last is not None:
             try:
-                commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
-            except OSError as e:
-                raise CheckpointError(
-                    f"save: committing {tmp} as {final} failed ({e}); `latest` still names the "
-                    "previous checkpoint"
-                ) from e
-            if keep_last is not None:
                 prune(root, keep_last)
+            except OSError as e:  # the step is committed: not a failed save
+                warnings.warn(
+                    f"save: {final} is committed (`latest` names it), but removing older steps "
+                    f"for keep_last={keep_last} failed: {e}",
+                    stacklevel=2,
+                )
         return final
 
     state = _state(model, optimizer)
-    writer = ChecksumWriter(str(tmp), overwrite=True)
+    writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
     try:
         with dcp_quiet():
             if async_save:
@@ -269,17 +298,17 @@ def save(
                     no_dist=not distributed(),
                 )
     except CheckpointException as e:  # raised on every rank when any rank failed
-        raise CheckpointError(f"save to {tmp} failed: {_failures(e)}") from e
+        raise failed(f"save to {tmp} failed", _failures(e)) from e
     if not async_save:
-        on_rank0(commit)
-        return final
+        return on_rank0(commit)
 
     def finish() -> Path:
         try:
             upload.result()
-        except CheckpointException as e:
-            raise CheckpointError(f"async save to {tmp} failed: {_failures(e)}") from e
-        return commit()
+        except CheckpointException as e:  # on every rank (DCP gathers the failures)
+            raise failed(f"async save to {tmp} failed", _failures(e)) from e
+        # On the save's own group: every rank's handle says whether the step was committed.
+        return on_rank0(commit, group=async_group())
 
     return background.start(final, finish)
 
@@ -344,30 +373,27 @@ def _load(
     current = _state(model, optimizer, keep_made_state=True)
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
-    def check() -> tuple[str, dict[str, Any]]:
+    def check() -> tuple[str, dict[str, Any], list, bool]:
         ckpt = resolve(path)
         info = describe(ckpt)
         described.append(info)
         info.raise_if_invalid()
-        manifest_path = ckpt / MANIFEST_FILE
-        try:
-            manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"load: cannot read {manifest_path} ({e})") from e
+        manifest = read_manifest(ckpt)
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
         stateless = stateless_params(info, current) if optimizer is not None else []
         check_fits(info, without(current, stateless))  # global shapes: the same on every rank
         refuse_unexpected(info, current)
-        return str(ckpt), manifest, stateless
+        return str(ckpt), manifest, stateless, has_checksums(ckpt, manifest)
 
-    ckpt_s, manifest, stateless = on_rank0(check)
+    ckpt_s, manifest, stateless, checked = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     ckpt = Path(ckpt_s)
-    if verify_ and manifest.get("checksums") == CHECKSUMS:  # each rank checks a share of the files
+    checked = checked and verify_
+    if checked:  # each rank checks a share of the files
         try:
             info = described[0] if described else describe(ckpt)  # rank 0 has read it already
-            problems = verify_share(info, rank(), world())
+            problems = verify_share(info, rank(), world(), manifest.get("save_id"))
         except Exception as e:  # on every rank to all_ok: no rank left waiting
             problems = [f"{type(e).__name__}: {e}"]
         shown = "; ".join(problems[:5]) + (
@@ -376,19 +402,13 @@ def _load(
         all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
     if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
         on_rank0(lambda: check_param_groups(described[0], current))
-    own = ckpt / f"extra-rank{rank():05d}.pt"
-    extra_file = own if own.is_file() else ckpt / "extra-rank00000.pt"
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
     # them all, before the collective read): a failure changes nothing.
     extra, error = None, None
-    if not extra_file.is_file() and manifest.get("has_extra"):
-        error = CheckpointError(f"{extra_file} is missing (the checkpoint had extra state)")
-    elif extra_file.is_file():
-        try:
-            # The checkpoint is trusted as much as DCP's own pickled .metadata is.
-            extra = torch.load(extra_file, weights_only=False)
-        except Exception as e:
-            error = CheckpointError(f"cannot read {extra_file} ({type(e).__name__}: {e})")
+    try:
+        extra = read_extra(ckpt, rank(), manifest, checked)
+    except CheckpointError as e:
+        error = e
     all_ok(error, "load: reading extra state")
     try:
         with dcp_quiet():
@@ -415,25 +435,3 @@ def _load(
         )
     refresh_buffers(model)
     return extra
-
-
-def refresh_buffers(model: nn.Module) -> None:
-    """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
-    them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
-    they hold garbage. Each takes the value its module's own initialization gives, as in a
-    fresh build; one that cannot be recomputed keeps its value, with a warning naming it."""
-    found = nonpersistent_buffers(model, only_meta=False)
-    if not found:
-        return
-    module, names = next(iter(found.values()))
-    failures: list[str] = []
-    values = fresh_buffers(model, module._buffers[names[0]].device, False, failures)
-    for owner, name, value in values:
-        owner._buffers[name] = value.to(owner._buffers[name].device)
-    if failures:
-        warnings.warn(
-            "checkpoint.load: these non-persistent buffers (held by no checkpoint) could not be "
-            "recomputed from their modules' initialization and keep their values; if the model "
-            "was materialized with to_empty, they hold garbage: " + "; ".join(failures),
-            stacklevel=4,
-        )

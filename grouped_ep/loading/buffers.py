@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from grouped_ep.loading.errors import LoadError
 
-__all__ = ["fresh_buffers", "nonpersistent_buffers"]
+__all__ = ["fresh_buffers", "nonpersistent_buffers", "refresh_buffers"]
 
 
 def nonpersistent_buffers(
@@ -162,3 +163,25 @@ def fresh_buffers(
             "these modules on a real device, or set the buffers before the forward."
         )
     return out
+
+
+def refresh_buffers(model: nn.Module) -> None:
+    """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
+    them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
+    they hold garbage. Each takes the value its module's own initialization gives, as in a
+    fresh build; one that cannot be recomputed keeps its value, with a warning naming it."""
+    found = nonpersistent_buffers(model, only_meta=False)
+    if not found:
+        return
+    module, names = next(iter(found.values()))
+    failures: list[str] = []
+    values = fresh_buffers(model, module._buffers[names[0]].device, False, failures)
+    for owner, name, value in values:
+        owner._buffers[name] = value.to(owner._buffers[name].device)
+    if failures:
+        warnings.warn(
+            "checkpoint.load: these non-persistent buffers (held by no checkpoint) could not be "
+            "recomputed from their modules' initialization and keep their values; if the model "
+            "was materialized with to_empty, they hold garbage: " + "; ".join(failures),
+            stacklevel=4,
+        )

@@ -1,0 +1,172 @@
+"""What a checkpoint's files must agree on before `load` reads them, and how a save that fails
+or half-succeeds is reported: the manifest, the checksum tables and the per-rank `extra` files
+come from one save; a failed save removes its partial step; a committed save whose pruning
+failed says it was committed; an async commit failure reaches every rank."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+from torch import nn
+
+import grouped_ep.checkpoint.dcp as dcp_module
+from grouped_ep import checkpoint as ck
+
+
+def _model(fill: float) -> nn.Linear:
+    model = nn.Linear(16, 8)
+    with torch.no_grad():
+        model.weight.fill_(fill)
+        model.bias.fill_(fill)
+    return model
+
+
+def _inspect(path: Path) -> subprocess.CompletedProcess:
+    cli = [sys.executable, "-m", "grouped_ep", "inspect", str(path), "--summary"]
+    return subprocess.run(cli, capture_output=True, text=True, timeout=120)
+
+
+def test_deleted_manifest_does_not_turn_the_checks_off(tmp_path: Path) -> None:
+    """Without the manifest, nothing said to check the CRCs: zeros written into a tensor's bytes
+    loaded silently. A step with checksum tables but no manifest is now refused."""
+    step = ck.save(tmp_path, _model(1.0), step=1)
+    (step / "grouped_ep.json").unlink()
+    fresh = _model(0.0)
+    with pytest.raises(ck.CheckpointError, match=r"grouped_ep\.json is missing, but .* checksum"):
+        ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.weight, torch.zeros(8, 16))
+    bad = _inspect(tmp_path)
+    assert bad.returncode == 1 and "grouped_ep.json is missing" in bad.stderr
+
+
+def test_manifest_without_its_checksums_entry_is_still_checked(tmp_path: Path) -> None:
+    step = ck.save(tmp_path, _model(1.0), step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    del manifest["checksums"]
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    chunk = ck.describe(step).tensors["model.weight"].chunks[0]
+    with open(step / chunk.file, "r+b") as f:
+        f.seek(chunk.file_offset + chunk.length - 64)
+        f.write(bytes(64))
+    with pytest.raises(ck.CheckpointError, match=r"'model\.weight' .* do not match the CRC32C"):
+        ck.load(tmp_path, _model(0.0))
+
+
+def test_files_of_another_save_are_refused(tmp_path: Path) -> None:
+    """A data file with its checksum table, or an `extra` file, copied in from another
+    checkpoint matched their own checksums and loaded as this checkpoint's."""
+    a = ck.save(tmp_path / "a", _model(1.0), extra={"samples": 1000}, step=1)
+    b = ck.save(tmp_path / "b", _model(2.0), extra={"samples": 2000}, step=1)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(a, mixed)
+    for name in ("__0_0.distcp", "__0_crc32c.json"):
+        shutil.copy(b / name, mixed / name)
+    fresh = _model(0.0)
+    with pytest.raises(ck.CheckpointError, match=r"__0_crc32c\.json: written by another save"):
+        ck.load(mixed, fresh)
+    assert torch.equal(fresh.weight, torch.zeros(8, 16))
+    assert _inspect(mixed).returncode == 1
+
+    mixed = tmp_path / "mixed_extra"
+    shutil.copytree(a, mixed)
+    shutil.copy(b / "extra-rank00000.pt", mixed / "extra-rank00000.pt")
+    with pytest.raises(ck.CheckpointError, match=r"extra-rank00000\.pt: its bytes do not match"):
+        ck.load(mixed, fresh)
+    bad = _inspect(mixed)
+    assert bad.returncode == 1 and "extra-rank00000.pt" in bad.stdout
+    assert ck.load(a, fresh) == {"samples": 1000}
+    assert torch.equal(fresh.weight, torch.ones(8, 16))
+
+
+def test_failed_save_removes_its_partial_step_and_says_the_space(tmp_path, monkeypatch) -> None:
+    """A save that hit a full disk left its partial `.tmp-step-N` behind (the disk stayed full
+    until the next save) with the writer's message only."""
+    ck.save(tmp_path, _model(1.0), step=1)
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(dcp_module.ChecksumWriter, "write_data", full)
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"failed \(the partial step was removed; \d+ MiB free .*latest.*No space left",
+    ):
+        ck.save(tmp_path, _model(2.0), step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    monkeypatch.undo()
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.weight, torch.ones(8, 16))
+
+
+def test_committed_save_whose_pruning_fails_says_it_was_committed(tmp_path, monkeypatch) -> None:
+    """The save raised a bare PermissionError although `latest` already named the new step."""
+    ck.save(tmp_path, _model(1.0), step=1)
+
+    def denied(root, keep_last):
+        raise PermissionError(errno.EACCES, "Permission denied", str(root / "step-00000001"))
+
+    monkeypatch.setattr(dcp_module, "prune", denied)
+    with pytest.warns(UserWarning, match=r"step-00000002 is committed .* keep_last=1 failed"):
+        path = ck.save(tmp_path, _model(2.0), step=2, keep_last=1)
+    assert path == tmp_path / "step-00000002" and ck.resolve(tmp_path) == path
+    with pytest.warns(UserWarning, match="is committed"):
+        ck.save(tmp_path, _model(3.0), step=3, keep_last=1, async_save=True).result()
+    monkeypatch.undo()
+    ck.save(tmp_path, _model(4.0), step=4)  # nothing of the async save is raised again
+    fresh = _model(0.0)
+    ck.load(tmp_path / "step-00000003", fresh)
+    assert torch.equal(fresh.weight, torch.full((8, 16), 3.0))
+
+
+def _two_ranks(rank: int, world: int, root: str) -> dict:
+    import grouped_ep.checkpoint.layout as layout
+
+    out = {}
+    model = _model(float(rank + 1))
+    ck.save(root, model, extra={"rank": rank}, step=1)
+    # A missing `extra` file of a rank the saving run had: rank 1 was handed rank 0's.
+    dist.barrier()
+    if rank == 0:
+        (Path(root) / "step-00000001" / "extra-rank00001.pt").unlink()
+    dist.barrier()
+    try:
+        ck.load(root, model)
+        out["missing_extra"] = "loaded"
+    except ck.CheckpointError as e:
+        out["missing_extra"] = str(e)
+    # An async save whose commit fails on rank 0: rank 1's result() returned the step as saved.
+    real = layout.write_text_atomic
+
+    def failing(path, text):
+        if path.name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, text)
+
+    layout.write_text_atomic = failing
+    handle = ck.save(root, model, step=2, async_save=True)
+    try:
+        out["async"] = f"returned {handle.result()}"
+    except ck.CheckpointError as e:
+        out["async"] = str(e)
+    layout.write_text_atomic = real
+    ck.save(root, model, step=3)  # the failure was read: nothing is raised again
+    out["latest"] = ck.resolve(root).name
+    return out
+
+
+def test_two_ranks_missing_extra_and_async_commit_failure(tmp_path: Path) -> None:
+    results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=180)
+    for r in results:
+        assert "extra-rank00001.pt is missing" in r["missing_extra"], r
+        assert "committing" in r["async"] and "No space left" in r["async"], r
+        assert r["latest"] == "step-00000003"
