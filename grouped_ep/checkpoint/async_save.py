@@ -4,7 +4,7 @@ DCP's `async_save` copies the state to CPU memory on the calling thread (that is
 the training step waits for) and writes it from a background thread. Here one more background
 step follows on rank 0: once DCP has finished (its last collective gathers every rank's write
 results, so every rank's files are complete), rank 0 commits the step directory, moves `latest`
-and prunes old steps. Only one save is in flight: the next `save` or `load` waits for it first.
+and prunes old steps, and sends the outcome to every rank. Only one save is in flight: the next `save` or `load` waits for it first.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ _PENDING: AsyncSave | None = None
 class AsyncSave:
     """A save running in the background; `result()` waits for it.
 
-    On rank 0 the handle completes once the checkpoint is committed (`latest` names it); on
-    other ranks once DCP has written every rank's files. A failure is raised by `result()`; if
-    no rank saw it there, the next `save` or `load` raises it on every rank.
+    The handle completes on every rank once rank 0 has committed the checkpoint (`latest`
+    names it), or failed to: rank 0 sends the outcome to every rank on the save's own group. A
+    failure is raised by `result()`; if no rank saw it there, the next `save` or `load` raises
+    it on every rank.
     """
 
     def __init__(self, path: Path, future: Future) -> None:
