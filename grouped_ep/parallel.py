@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from grouped_ep._mixed_dtypes import split_dtypes
 from grouped_ep._validate import is_int
 from grouped_ep.moe import GroupedExperts
 
@@ -292,8 +293,10 @@ def fully_shard_moe(
     loaded with `load_sharded` after it keeps its weights), then `fully_shard`s each experts
     module over `"dp"` (gradients divided by `dp * ep`; a submodule inside it that is shared by
     all experts, e.g. a post-expert norm, over `"dp_ep"`), each block of the outermost ModuleList
-    holding experts over `"dp_ep"`, and the root over `"dp_ep"`. Afterwards every parameter is a
-    DTensor. Returns `model` (now an FSDPModule).
+    holding experts over `"dp_ep"`, and the root over `"dp_ep"`. A module whose parameters are
+    in another dtype than the rest of its block's (an fp32 router that transformers keeps in a
+    bf16 model) is a unit of its own, never cast (`_mixed_dtypes.py`). Afterwards every
+    parameter is a DTensor. Returns `model` (now an FSDPModule).
 
     `reshard_after_forward` as `fully_shard` takes it; an int must divide both FSDP group sizes
     here, `dp` (the experts) and `dp * ep` (the rest), else it is a ValueError.
@@ -326,7 +329,9 @@ def fully_shard_moe(
         if sum_only and dp > 1:
             module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
+        split_dtypes(block, names[id(block)], flat_mesh, kwargs)  # fp32 routers of bf16 models
         fully_shard(block, mesh=flat_mesh, **kwargs)
+    split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     return model
 

@@ -252,7 +252,32 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
         logits, grads = logits_and_grads(model, batch(world)[rank])
         full = {n: g.full_tensor() for n, g in grads.items()}
         out[kind] = (logits, full if rank == 0 else None)
+    # bf16 with the router kept in fp32, as transformers' `_keep_in_fp32_modules_strict` leaves
+    # DeepSeek-V3 (GLM4-MoE, dots1, ...): FSDP2 asserted "uniform original parameter dtype" on
+    # the first forward. The router is now a unit of its own and stays fp32.
+    mixed = _deepseek_bf16_fp32_router()
+    parallelize(mixed, mesh)
+    gates = [n for n, p in mixed.named_parameters() if p.dtype == torch.float32]
+    assert gates and all(n.endswith("mlp.gate.weight") for n in gates), gates
+    with torch.no_grad():
+        out["mixed_dtypes"] = mixed(batch(world)[rank]).logits
+    mixed(batch(world)[rank]).logits.float().square().mean().backward()
+    for name, p in mixed.named_parameters():
+        want = torch.float32 if name in gates else torch.bfloat16
+        assert p.grad is not None and p.grad.dtype == want, (name, p.grad)
+        assert torch.isfinite(p.grad.full_tensor()).all(), name
     return out
+
+
+def _deepseek_bf16_fp32_router():
+    from _hf_families import build, family
+
+    model = build(family("deepseek_v3")).to(torch.bfloat16)
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.float()
+    model.set_experts_implementation("grouped_ep")
+    return model
 
 
 @pytest.mark.slow
@@ -271,6 +296,11 @@ def test_parallelize_ep2_matches_single_process():
         # One training step: the mean loss over all ranks' batches, as one process sees it.
         _, ref_grads = logits_and_grads(model, ids.reshape(-1, SEQ))
         assert_grads_close(got[0][kind][1], ref_grads)
+    mixed = _deepseek_bf16_fp32_router()
+    for rank in range(world):
+        with torch.no_grad():
+            ref = mixed(ids[rank]).logits
+        torch.testing.assert_close(got[rank]["mixed_dtypes"], ref)
 
 
 def test_meta_build_load_sharded_runs_without_another_call(tmp_path):
