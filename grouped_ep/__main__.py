@@ -48,6 +48,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print("OK: every chunk's bytes match the CRC32C saved with them")
     elif not crc:
         print("(saved without checksums: values not verified)")
+    elif args.no_verify:
+        print("(--no-verify: the CRC32Cs saved with the data were not checked)")
     if info.problems:
         print(f"error: checkpoint {info.path} has {len(info.problems)} problem(s)", file=sys.stderr)
         return 1

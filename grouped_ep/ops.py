@@ -101,7 +101,8 @@ def _check_rows_match_experts(x: Tensor, w: Tensor) -> None:
             "known on one mesh. Pass x on w's mesh, or as a plain tensor (this rank's rows)."
         )
     for i, (px, pw) in enumerate(zip(x.placements, w.placements)):
-        if isinstance(px, Replicate) and isinstance(pw, Shard):
+        # On a dim of one rank, Shard(0) holds every expert: nothing to refuse.
+        if isinstance(px, Replicate) and isinstance(pw, Shard) and w.device_mesh.size(i) > 1:
             raise ValueError(
                 f"grouped_ep.gemm: x is Replicate() on mesh dim {i} ({_mesh_dims(x)[i]!r}), where "
                 "w is Shard(0): each rank's experts would multiply the same rows. Pass each "

@@ -228,6 +228,10 @@ def _save_then_destroy(rank: int, world: int, root: str) -> None:
     was lost with exit code 0."""
     import time
 
+    # Imported by name before the first save, as torchrun scripts do: the reference predates
+    # the wait, which only replaced the module attribute (the step was still lost).
+    from torch.distributed import destroy_process_group
+
     mlp = _fsdp_model()
     opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
     _train(mlp, opt, 1)
@@ -239,7 +243,7 @@ def _save_then_destroy(rank: int, world: int, root: str) -> None:
 
     FileSystemWriter.write_data = slow
     ck.save(root, mlp, opt, extra={"step": 1}, async_save=True)
-    torch.distributed.destroy_process_group()  # waits for the save (rank 0: its commit) first
+    destroy_process_group()  # waits for the save (rank 0: its commit) first
     if rank == 0:
         assert ck.resolve(root).name == "step-00000001"
 

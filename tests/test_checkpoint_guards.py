@@ -125,6 +125,42 @@ def test_parameters_in_other_groups_are_refused_before_reading(tmp_path, order):
     assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, 0.0), (1e-2, 0.1)]
 
 
+def test_group_that_would_get_no_hyperparameters_is_refused(tmp_path):
+    """Two cases the partition check let through, each a bare KeyError: 'betas' at the next
+    step: a group whose parameters the saved groups never held (the saved group held only a
+    frozen parameter, no longer in the optimizer), and an empty group that is not the last one
+    (torch's set_state_dict gives it the last saved group's hyperparameters)."""
+    model = nn.ParameterDict({n: nn.Parameter(torch.ones(4)) for n in "abc"})
+    model["b"].requires_grad_(False)
+    opt = torch.optim.AdamW([{"params": [model["a"]], "lr": 1e-2}, {"params": [model["b"]]}])
+    model["a"].sum().backward()
+    opt.step()
+    ck.save(tmp_path / "frozen", model, opt, step=1)
+    fresh = torch.optim.AdamW([{"params": [model["a"]], "lr": 5.0}, {"params": [model["c"]]}])
+    with pytest.raises(ck.CheckpointError, match=r"group 1 \('c'\) shares no parameter"):
+        ck.load(tmp_path / "frozen", model, fresh)
+    assert [g["lr"] for g in fresh.param_groups] == [5.0, 1e-3]
+
+    def empty_first(last: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4, bias=False)
+        groups = [{"params": [], "weight_decay": 0.0}, {"params": [model.weight], "lr": 0.1}]
+        opt = torch.optim.AdamW(groups[::-1] if last else groups)
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        return model, opt
+
+    ck.save(tmp_path / "empty", *empty_first(False), step=1)
+    with pytest.raises(ck.CheckpointError, match=r"group 0 \(empty\) has no parameters"):
+        ck.load(tmp_path / "empty", *empty_first(False))
+    ck.save(tmp_path / "last", *empty_first(True), step=1)
+    model, opt = empty_first(True)
+    ck.load(tmp_path / "last", model, opt)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # every group has its hyperparameters
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+
+
 def test_unreadable_saved_param_groups_are_a_checkpoint_error(tmp_path):
     """DCP's CheckpointException is a BaseException: it escaped `except Exception` bare (and on
     several ranks rank 0 left the others waiting in a broadcast)."""

@@ -132,6 +132,14 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     import grouped_ep.checkpoint.layout as layout
 
     out = {}
+    # One replicated tensor on two ranks: rank 1 writes an empty data file with no checksums,
+    # which every load refused ("no well-formed checksums for __1_0.distcp").
+    single = nn.Linear(4, 4, bias=False)
+    ck.save(Path(root) / "single", single, step=1)
+    ck.load(Path(root) / "single", single)
+    out["single_sizes"] = sorted(
+        p.stat().st_size for p in (Path(root) / "single/step-00000001").glob("*.distcp")
+    )
     model = _model(float(rank + 1))
     ck.save(root, model, extra={"rank": rank}, step=1)
     # A missing `extra` file of a rank the saving run had: rank 1 was handed rank 0's.
@@ -166,7 +174,18 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
 
 def test_two_ranks_missing_extra_and_async_commit_failure(tmp_path: Path) -> None:
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=180)
+    assert results[0]["single_sizes"][0] == 0  # the case is still the one described
     for r in results:
         assert "extra-rank00001.pt is missing" in r["missing_extra"], r
         assert "committing" in r["async"] and "No space left" in r["async"], r
         assert r["latest"] == "step-00000003"
+
+
+def test_inspect_no_verify_says_the_checksums_were_not_checked(tmp_path: Path, capsys) -> None:
+    from grouped_ep.__main__ import main as cli
+
+    ck.save(tmp_path, _model(1.0), step=1)
+    assert cli(["inspect", str(tmp_path), "--summary", "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    assert "--no-verify: the CRC32Cs saved with the data were not checked" in out
+    assert "match the CRC32C" not in out

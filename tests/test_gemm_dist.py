@@ -255,6 +255,12 @@ def _loss_on_dtensor_output(rank: int, world: int):
         out["other_mesh"] = None
     except ValueError as e:
         out["other_mesh"] = str(e)
+    # Replicate() x against Shard(0) w on a dim of one rank (ep=1): every expert is there, so
+    # this is no "same rows, other experts" case; it was refused.
+    mesh_ep1 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))
+    w_ep1 = DTensor.from_local(w.clone(), mesh_ep1, [Replicate(), Shard(0)])
+    x_ep1 = DTensor.from_local(x.clone(), mesh_ep1, [Shard(0), Replicate()])
+    out["ep1"] = torch.ops.grouped_ep.gemm(x_ep1, w_ep1, offs, False).to_local()
     return out
 
 
@@ -284,3 +290,4 @@ def test_loss_on_dtensor_output_gives_the_right_gradients():
         assert "x is Replicate() on mesh dim 0 ('ep'), where w is Shard(0)" in out["error"]
         assert "x is a DTensor on DeviceMesh" in out["other_mesh"], out["other_mesh"]
         assert "Pass x on w's mesh" in out["other_mesh"]
+        assert_close(out["ep1"], gemm_ref(x, w, offsets(sizes), False), torch.float64)

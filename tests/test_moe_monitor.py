@@ -96,3 +96,44 @@ def test_transformers_expert_parallel_sentinel_routes():
     counter = ExpertLoadCounter(model)
     experts(x, ids, weights)
     assert counter.local_counts()[0].tolist() == [2, 1, 1] + [0] * (e - 3)
+
+
+def _hf_ep_counts(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    config = tiny_qwen3_moe_config(num_experts=8, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    reference = ExpertLoadCounter(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    want = reference.global_counts()
+    reference.remove()
+    plan = {}
+    for i in range(config.num_hidden_layers):
+        experts = f"model.layers.{i}.mlp.experts"
+        plan.update(
+            {f"{experts}.gate_up_proj": "grouped_gemm", f"{experts}.down_proj": "grouped_gemm"}
+        )
+        plan[experts] = "ep_dispatch_experts"
+    ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan)
+    counter = ExpertLoadCounter(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    return want, counter.global_counts(), model.model.layers[0].mlp.experts.num_experts
+
+
+def test_transformers_expert_parallel_counts_every_expert():
+    """Under transformers' own expert parallel `num_experts` is the local count (4 of 8) while
+    the experts module is called with the router's global ids: experts 4-7 were taken for
+    sentinels and dropped, and the counts had 4 columns."""
+    from _dist import run_ranks
+
+    for want, got, local in run_ranks(_hf_ep_counts, 2, timeout=150):
+        assert local == 4  # the case is still the one described
+        assert got.shape == (2, 8) and torch.equal(got, want), (got, want)

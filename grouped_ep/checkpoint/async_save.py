@@ -12,11 +12,13 @@ from __future__ import annotations
 import atexit
 import functools
 import sys
+import types
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from grouped_ep.checkpoint.collective import gather_errors
 from grouped_ep.checkpoint.errors import CheckpointError
@@ -99,22 +101,44 @@ def _report_at_exit() -> None:
         )
 
 
+def _destroy_shim(*args, **kwargs):
+    """The body `torch.distributed.destroy_process_group` runs once a save was started: wait
+    for the save in flight, then destroy as torch does. (Run with torch's module globals: it
+    names nothing of this module but through the import.)"""
+    from grouped_ep.checkpoint import async_save as guard
+
+    guard._finish_pending()
+    return guard._ORIGINAL_DESTROY(*args, **kwargs)
+
+
+_ORIGINAL_DESTROY: Callable | None = None
+
+
 def _guard_exit() -> None:
     """Once per process: `torch.distributed.destroy_process_group` first waits for the save in
     flight (it destroyed the save's process group under it: the step was lost with exit code
     0), and an unread failure is reported on stderr at exit. (The worker thread itself is joined
-    at interpreter exit by concurrent.futures, so a save in flight finishes.)"""
-    original = dist.destroy_process_group
-    if getattr(original, "__grouped_ep_original__", None) is not None:
+    at interpreter exit by concurrent.futures, so a save in flight finishes.)
+
+    The function's code is replaced in place, so every reference to it waits: the
+    `torch.distributed` attribute, `distributed_c10d`'s, and names a script imported before
+    (`from torch.distributed import destroy_process_group`). torch's own body runs from a copy."""
+    global _ORIGINAL_DESTROY
+    target = c10d.destroy_process_group
+    if _ORIGINAL_DESTROY is not None:
         return
-
-    @functools.wraps(original)
-    def destroy_process_group(*args, **kwargs):
-        _finish_pending()
-        return original(*args, **kwargs)
-
-    destroy_process_group.__grouped_ep_original__ = original
-    dist.destroy_process_group = destroy_process_group
+    original = types.FunctionType(
+        target.__code__, target.__globals__, target.__name__, target.__defaults__,
+        target.__closure__,
+    )  # fmt: skip
+    original.__kwdefaults__ = target.__kwdefaults__
+    _ORIGINAL_DESTROY = original
+    if target.__code__.co_freevars:  # not a plain function: wrap the module attributes only
+        dist.destroy_process_group = c10d.destroy_process_group = functools.wraps(target)(
+            _destroy_shim
+        )
+    else:
+        target.__code__ = _destroy_shim.__code__
     atexit.register(_report_at_exit)
 
 

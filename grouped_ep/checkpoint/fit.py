@@ -157,6 +157,33 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
             f"parameter group than when it was saved: {shown}; build the optimizer with the same "
             "parameter groups as the run that saved it"
         )
+    # Which saved group's hyperparameters each group gets, as torch's `set_state_dict` maps
+    # them (`_split_optim_state_dict`): a saved group goes to the last group holding one of its
+    # parameters; an empty group takes the last saved group (meant: the one empty saved group,
+    # which it is only when that one is last). A group that gets none is left without lr, betas,
+    # ...: a bare KeyError at the next step.
+    mapping: dict[int, int] = {}
+    for i, names in enumerate(have):
+        for j, g in enumerate(was):
+            if set(names) & set(g):
+                mapping[j] = i
+        if not names:
+            mapping[len(was) - 1] = i
+    unfed = [i for i in range(len(have)) if i not in mapping.values()]
+    if unfed:
+        i = unfed[0]
+        shown = ", ".join(repr(n) for n in have[i][:5]) + (" ..." if len(have[i]) > 5 else "")
+        why = (
+            "shares no parameter with any saved group"
+            if have[i]
+            else "has no parameters, and torch's set_state_dict restores an empty group only "
+            "when it is the last one (put empty groups last)"
+        )
+        raise CheckpointError(
+            f"checkpoint {info.path}: optimizer parameter group {i} ({shown or 'empty'}) {why}, "
+            "so it would resume without hyperparameters (lr, betas, weight decay); build the "
+            "optimizer with the same parameter groups as the run that saved it"
+        )
 
 
 def _saved_group_params(info: CheckpointInfo, groups: int) -> list[list[str]]:

@@ -45,6 +45,18 @@ def _count(ids: Tensor, num_experts: int) -> Tensor:
     return counts.scatter_add_(0, ids.clamp(max=num_experts - 1), valid)
 
 
+def _router_experts(module: nn.Module) -> int:
+    """How many experts the router's ids range over. transformers' own expert parallel sets
+    `num_experts` to this rank's count, while the experts module is still called with the
+    router's global ids; its stacked weights are DTensors of the global shape."""
+    if getattr(module, "_is_expert_parallel", False):
+        for name in ("gate_up_proj", "up_proj", "down_proj"):
+            weight = getattr(module, name, None)
+            if isinstance(weight, Tensor) and weight.dim() == 3:
+                return weight.shape[0]
+    return module.num_experts
+
+
 class ExpertLoadCounter:
     """Counts, per experts module of `model`, the routed token copies each expert received in
     forwards while it is attached (training and eval alike; `reset()` between phases).
@@ -64,7 +76,7 @@ class ExpertLoadCounter:
                 "(num_experts, 3-D gate_up_proj or up_proj and down_proj, called with top_k_index)"
             )
         self.names = [name for name, _ in modules]
-        self.num_experts = [m.num_experts for _, m in modules]
+        self.num_experts = [_router_experts(m) for _, m in modules]
         self._counts: list[Tensor | None] = [None] * len(modules)
         self._handles = [
             m.register_forward_pre_hook(self._hook(i), with_kwargs=True)
@@ -81,7 +93,7 @@ class ExpertLoadCounter:
             if in_backward():
                 return  # activation checkpointing recomputing a forward counted when it ran
             with torch.no_grad():
-                counts = _count(ids.reshape(-1), module.num_experts)
+                counts = _count(ids.reshape(-1), self.num_experts[index])
                 seen = self._counts[index]
                 self._counts[index] = counts if seen is None else seen + counts
 
