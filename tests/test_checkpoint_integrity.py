@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,37 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     layout.write_text_atomic = real
     ck.save(root, model, step=3)  # the failure was read: nothing is raised again
     out["latest"] = ck.resolve(root).name
+    # `extra` given on rank 0 only: every rank gets rank 0's (the last change made this
+    # checkpoint unloadable: "extra-rank00001.pt is missing").
+    ck.save(root, model, extra={"step": 4} if rank == 0 else None, step=4)
+    out["rank0_extra"] = ck.load(root, model)
+    # A save failing on rank 1, retried at once: each rank removed the partial step, and rank
+    # 1's removal took the retry's new directory from under rank 0.
+    from grouped_ep.checkpoint.checksum import ChecksumWriter
+
+    write = ChecksumWriter.write_data
+
+    def full(self, plan, planner):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return write(self, plan, planner)
+
+    ChecksumWriter.write_data = full
+    rmtree = shutil.rmtree
+    if rank == 1:  # a rank slower to remove a large step: the race every time
+
+        def slow_rmtree(path, *args, **kwargs):
+            time.sleep(1.0)
+            return rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = slow_rmtree
+    try:
+        ck.save(root, model, extra={"step": 5}, step=5)
+    except ck.CheckpointError as e:
+        out["failed_save"] = str(e)
+    ChecksumWriter.write_data = write
+    out["retry"] = ck.save(root, model, extra={"step": 5}, step=5).name
+    shutil.rmtree = rmtree
     return out
 
 
@@ -179,6 +211,8 @@ def test_two_ranks_missing_extra_and_async_commit_failure(tmp_path: Path) -> Non
         assert "extra-rank00001.pt is missing" in r["missing_extra"], r
         assert "committing" in r["async"] and "No space left" in r["async"], r
         assert r["latest"] == "step-00000003"
+        assert r["rank0_extra"] == {"step": 4}, r
+        assert "No space left" in r["failed_save"] and r["retry"] == "step-00000005", r
 
 
 def test_inspect_no_verify_says_the_checksums_were_not_checked(tmp_path: Path, capsys) -> None:

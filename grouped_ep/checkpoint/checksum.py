@@ -147,6 +147,15 @@ def has_checksums(ckpt: Path, manifest: dict) -> bool:
     return manifest.get("checksums") == FORMAT or any(ckpt.glob(f"__*_{SUFFIX}"))
 
 
+def lists_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> bool:
+    """Whether rank `owner`'s checksum table in `ckpt` lists file `name` (False for checkpoints
+    saved before tables listed files, and for a table that cannot be read)."""
+    if save_id is None:
+        return False
+    table, _ = _read_table(ckpt / f"__{owner}_{SUFFIX}", save_id)
+    return table is not None and isinstance(table.get("files"), dict) and name in table["files"]
+
+
 def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str | None:
     """What is wrong with file `name` of `ckpt` (an `extra-rank<r>.pt`) against the
     `[length, CRC32C]` in rank `owner`'s table, or None. Checkpoints saved before these files

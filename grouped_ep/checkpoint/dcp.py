@@ -223,13 +223,21 @@ def save(
     tmp = root / tmp_name
     final = root / step_dir_name(step_)
 
-    def failed(what: str, detail: str) -> CheckpointError:
-        """The save's error, once every rank has stopped writing: the partial step is removed
-        (a full disk stays full otherwise) and the free space is said."""
-        shutil.rmtree(tmp, ignore_errors=True)
+    def failed(what: str, detail: str, group: Any = None) -> CheckpointError:
+        """The save's error, once every rank has stopped writing (collective, over `group`):
+        rank 0 removes the partial step (a full disk stays full otherwise; one rank, so that no
+        rank removes the directory of a retry rank 0 has begun) and says the free space."""
+
+        def clean() -> str:
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
+            except OSError:
+                return ""
+
         try:
-            free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
-        except OSError:
+            free = on_rank0(clean, group=group)
+        except CheckpointError:
             free = ""
         return CheckpointError(
             f"{what} (the partial step was removed{free}; `latest` still names the previous "
@@ -306,7 +314,7 @@ def save(
         try:
             upload.result()
         except CheckpointException as e:  # on every rank (DCP gathers the failures)
-            raise failed(f"async save to {tmp} failed", _failures(e)) from e
+            raise failed(f"async save to {tmp} failed", _failures(e), async_group()) from e
         # On the save's own group: every rank's handle says whether the step was committed.
         return on_rank0(commit, group=async_group())
 

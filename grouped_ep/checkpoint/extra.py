@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from grouped_ep.checkpoint.checksum import file_crc, verify_file
+from grouped_ep.checkpoint.checksum import file_crc, lists_file, verify_file
 from grouped_ep.checkpoint.errors import CheckpointError
 
 
@@ -29,25 +29,32 @@ def write_extra(directory: Path, rank: int, extra: Any) -> dict[str, list[int]]:
 
 
 def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool) -> Any:
-    """The `extra` rank `rank` saved in checkpoint `ckpt`, None if the save had none. A rank
-    the saving run did not have (it had fewer ranks) gets rank 0's. With `checked`, the file's
-    length and CRC32C must match those saved with it (checkpoints that recorded them)."""
-    saved_world = manifest.get("world_size")
+    """The `extra` rank `rank` saved in checkpoint `ckpt`. A rank that saved none while rank 0
+    did (`extra` given on rank 0 only), or that the saving run did not have, gets rank 0's;
+    None when rank 0 saved none either. A file that its rank's checksum table lists but that is
+    gone is an error naming it. With `checked`, the file's length and CRC32C must match those
+    saved with it (checkpoints that recorded them)."""
+    save_id = manifest.get("save_id")
+
+    def missing(owner: int) -> CheckpointError:
+        return CheckpointError(
+            f"{ckpt / extra_name(owner)} is missing: rank {owner} of the saving run saved extra "
+            "state (the checkpoint's records list it)"
+        )
+
     owner = rank
-    if not (ckpt / extra_name(rank)).is_file() and isinstance(saved_world, int):
-        owner = 0 if rank >= saved_world else rank
-    elif not (ckpt / extra_name(rank)).is_file():  # no manifest: a plain DCP checkpoint
+    if not (ckpt / extra_name(rank)).is_file():
+        if lists_file(ckpt, extra_name(rank), rank, save_id):
+            raise missing(rank)
         owner = 0
     path = ckpt / extra_name(owner)
     if not path.is_file():
-        if manifest.get("has_extra"):
-            raise CheckpointError(
-                f"{path} is missing (the checkpoint was saved with extra state on each of its "
-                f"{saved_world} rank(s))"
-            )
+        # Rank 0's manifest says whether it saved extra (older checkpoints: no tables to ask).
+        if lists_file(ckpt, path.name, 0, save_id) or manifest.get("has_extra"):
+            raise missing(0)
         return None
     if checked:
-        problem = verify_file(ckpt, path.name, owner, manifest.get("save_id"))
+        problem = verify_file(ckpt, path.name, owner, save_id)
         if problem is not None:
             raise CheckpointError(problem)
     try:
