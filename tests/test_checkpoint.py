@@ -105,7 +105,7 @@ def test_views_of_one_buffer_are_written_compactly(tmp_path: Path) -> None:
         assert torch.equal(getattr(loaded, name), p), name
 
     # The planner itself hands the writer compact tensors, whatever writer DCP uses.
-    planner = ck.dcp._CompactSavePlanner()
+    planner = ck.state.CompactSavePlanner()
     planner.set_up_planner({"c": model.c.detach()}, is_coordinator=True)
     (item,) = planner.create_local_plan().items
     data = planner.resolve_data(item)

@@ -126,10 +126,9 @@ def test_parameters_in_other_groups_are_refused_before_reading(tmp_path, order):
 
 
 def test_group_that_would_get_no_hyperparameters_is_refused(tmp_path):
-    """Two cases the partition check let through, each a bare KeyError: 'betas' at the next
-    step: a group whose parameters the saved groups never held (the saved group held only a
-    frozen parameter, no longer in the optimizer), and an empty group that is not the last one
-    (torch's set_state_dict gives it the last saved group's hyperparameters)."""
+    """A group whose parameters the saved groups never held (the saved group held only a frozen
+    parameter, no longer in the optimizer) has no hyperparameters to resume with: refused
+    before reading (it was a bare KeyError: 'betas' at the next step)."""
     model = nn.ParameterDict({n: nn.Parameter(torch.ones(4)) for n in "abc"})
     model["b"].requires_grad_(False)
     opt = torch.optim.AdamW([{"params": [model["a"]], "lr": 1e-2}, {"params": [model["b"]]}])
@@ -141,24 +140,69 @@ def test_group_that_would_get_no_hyperparameters_is_refused(tmp_path):
         ck.load(tmp_path / "frozen", model, fresh)
     assert [g["lr"] for g in fresh.param_groups] == [5.0, 1e-3]
 
-    def empty_first(last: bool):
-        torch.manual_seed(0)
-        model = nn.Linear(4, 4, bias=False)
-        groups = [{"params": [], "weight_decay": 0.0}, {"params": [model.weight], "lr": 0.1}]
-        opt = torch.optim.AdamW(groups[::-1] if last else groups)
-        model(torch.ones(1, 4)).sum().backward()
-        opt.step()
-        return model, opt
 
-    ck.save(tmp_path / "empty", *empty_first(False), step=1)
-    with pytest.raises(ck.CheckpointError, match=r"group 0 \(empty\) has no parameters"):
-        ck.load(tmp_path / "empty", *empty_first(False))
-    ck.save(tmp_path / "last", *empty_first(True), step=1)
-    model, opt = empty_first(True)
-    ck.load(tmp_path / "last", model, opt)
+@pytest.mark.parametrize(
+    "saved,now",
+    [("e|a|b", "e|a|b"), ("e|a|b", "e|b|a"), ("a|e", "a|e")],
+    ids=["empty_first", "others_reordered", "empty_last"],
+)
+def test_empty_groups_resume_with_their_own_hyperparameters(tmp_path, saved, now):
+    """torch's set_state_dict gives an empty group the last saved group's hyperparameters, so
+    an empty group that was not last left another group with none (KeyError: 'betas' at the
+    next step). Each group now resumes with its own saved group's, wherever it is."""
+    model = nn.ParameterDict({n: nn.Parameter(torch.ones(4)) for n in "ab"})
+
+    def build(layout: str, shift: float):
+        groups, empty = [], 0
+        for name in layout.split("|"):
+            if name == "e":
+                empty += 1
+                groups.append({"params": [], "lr": shift + 0.1 * empty, "weight_decay": 0.5})
+            else:
+                lr = shift + (1.0 if name == "a" else 2.0)
+                groups.append({"params": [model[name]], "lr": lr, "weight_decay": 0.0})
+        return torch.optim.AdamW(groups)
+
+    opt = build(saved, 0.0)
+    sum(p.sum() for p in model.values()).backward()
+    opt.step()
+    ck.save(tmp_path, model, opt, step=1)
+    fresh = build(now, 100.0)
+    ck.load(tmp_path, model, fresh)
+    want = {"a": 1.0, "b": 2.0}
+    empty = 0
+    for name, group in zip(now.split("|"), fresh.param_groups):
+        if name == "e":
+            empty += 1
+            assert (group["lr"], group["weight_decay"]) == (0.1 * empty, 0.5), group
+        else:
+            assert (group["lr"], group["weight_decay"]) == (want[name], 0.0), group
+    sum(p.sum() for p in model.values()).backward()
+    fresh.step()  # every group has its hyperparameters
+
+
+def test_moved_empty_group_is_refused_before_reading(tmp_path):
+    """Moving an empty group made torch's set_state_dict fail after the model was loaded."""
+    model = nn.Linear(4, 4, bias=False)
+    opt = torch.optim.AdamW([{"params": []}, {"params": [model.weight]}])
     model(torch.ones(1, 4)).sum().backward()
-    opt.step()  # every group has its hyperparameters
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    opt.step()
+    ck.save(tmp_path, model, opt, step=1)
+    fresh = nn.Linear(4, 4, bias=False)
+    before = fresh.weight.detach().clone()
+    moved = torch.optim.AdamW([{"params": [fresh.weight]}, {"params": []}])
+    with pytest.raises(ck.CheckpointError, match=r"group 1 is empty, and the saved empty group"):
+        ck.load(tmp_path, fresh, moved)
+    assert torch.equal(fresh.weight, before)
+    # Two empty groups: torch's set_state_dict supports one, and raised after the read.
+    two = torch.optim.AdamW([{"params": [model.weight]}, {"params": []}, {"params": []}])
+    model(torch.ones(1, 4)).sum().backward()
+    two.step()
+    ck.save(tmp_path / "two", model, two, step=1)
+    again = torch.optim.AdamW([{"params": [fresh.weight]}, {"params": []}, {"params": []}])
+    with pytest.raises(ck.CheckpointError, match=r"more than one empty optimizer parameter group"):
+        ck.load(tmp_path / "two", fresh, again)
+    assert torch.equal(fresh.weight, before)
 
 
 def test_unreadable_saved_param_groups_are_a_checkpoint_error(tmp_path):

@@ -97,7 +97,7 @@ def _disk(path: Path) -> int:
 
 def plain_load(path: Path, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
     """The plain DCP resume: get_state_dict -> dcp.load -> set_state_dict."""
-    state = ck.dcp._state(model, opt)
+    state = ck.state.state_dicts(model, opt)
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     if opt is None:
         model.load_state_dict(state["model"])
@@ -162,7 +162,7 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
 
     def save_plain() -> None:
         shutil.rmtree(plain, ignore_errors=True)
-        state = ck.dcp._state(model, opt)
+        state = ck.state.state_dicts(model, opt)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(plain)), no_dist=True)
 
     def save_ours() -> None:

@@ -42,12 +42,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
@@ -93,52 +89,12 @@ from grouped_ep.checkpoint.layout import (
     restore_swapped_out,
     step_dir_name,
 )
+from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
 
 __all__ = ["AsyncSave", "save", "load"]
 
 FORMAT_VERSION = 1
-
-
-# ---- state dicts --------------------------------------------------------------------------------
-
-
-class _CompactSavePlanner(DefaultSavePlanner):
-    """Writes each tensor's own bytes only.
-
-    `torch.save` of a view writes the whole storage it views (an FSDP2 shard is a view of a
-    padded buffer; a user may keep params as views of one flat buffer). DCP's file writer clones
-    such tensors on CPU in current releases; doing it here makes it hold for every writer and
-    for device tensors too.
-    """
-
-    def resolve_data(self, write_item: WriteItem):
-        data = super().resolve_data(write_item)
-        if isinstance(data, torch.Tensor) and data.untyped_storage().nbytes() != data.nbytes:
-            data = data.detach().clone(memory_format=torch.contiguous_format)
-        return data
-
-
-def _state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, keep_made_state: bool = False
-) -> dict[str, Any]:
-    """The state dicts DCP saves or loads into.
-
-    torch's `get_state_dict` gives an optimizer that has no state yet some, by a step at lr 0
-    with zero gradients (AdamW: step 1, zero moments), so that its state dict has every key. That
-    state is not the run's: the next real step would be bias-corrected as the second. So unless
-    `keep_made_state` (`load` reads into it, and takes it out again if the load fails) it is
-    removed, from the optimizer and from the state dict: saved as no state, resumed as none.
-    """
-    opts = StateDictOptions(full_state_dict=False)
-    if optimizer is None:
-        return {"model": get_model_state_dict(model, options=opts)}
-    had_state = bool(optimizer.state)
-    msd, osd = get_state_dict(model, optimizer, options=opts)
-    if not had_state and optimizer.state and not keep_made_state:
-        optimizer.state.clear()
-        osd = {**osd, "state": {}}
-    return {"model": msd, "optim": osd}
 
 
 def _failures(e: CheckpointException) -> str:
@@ -147,6 +103,13 @@ def _failures(e: CheckpointException) -> str:
         f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items())
     )
     return f"{own}\n{e}" if own else str(e)
+
+
+def _free_space(root: Path) -> str:
+    try:
+        return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
+    except OSError:
+        return ""
 
 
 # ---- save / load --------------------------------------------------------------------------------
@@ -230,10 +193,7 @@ def save(
 
         def clean() -> str:
             shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
-            except OSError:
-                return ""
+            return _free_space(root)
 
         try:
             free = on_rank0(clean, group=group)
@@ -270,9 +230,10 @@ def save(
         try:
             commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
         except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # rank 0 alone: the others wait for it
             raise CheckpointError(
-                f"save: committing {tmp} as {final} failed ({e}); `latest` still names the "
-                "previous checkpoint"
+                f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
+                f"{_free_space(root)}; `latest` still names the previous checkpoint"
             ) from e
         if keep_last is not None:
             try:
@@ -285,7 +246,7 @@ def save(
                 )
         return final
 
-    state = _state(model, optimizer)
+    state = state_dicts(model, optimizer)
     writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
     try:
         with dcp_quiet():
@@ -294,7 +255,7 @@ def save(
                 upload = dcp.async_save(
                     state,
                     storage_writer=writer,
-                    planner=_CompactSavePlanner(),
+                    planner=CompactSavePlanner(),
                     process_group=async_group(),
                     no_dist=not distributed(),
                 )
@@ -302,7 +263,7 @@ def save(
                 dcp.save(
                     state,
                     storage_writer=writer,
-                    planner=_CompactSavePlanner(),
+                    planner=CompactSavePlanner(),
                     no_dist=not distributed(),
                 )
     except CheckpointException as e:  # raised on every rank when any rank failed
@@ -367,7 +328,7 @@ def load(
     try:
         return _load(path, model, optimizer, verify)
     except BaseException:
-        if fresh:  # the state made to read into (see `_state`) goes: the optimizer is as it was
+        if fresh:  # the state made to read into (see `state.state_dicts`) goes: the optimizer is as it was
             optimizer.state.clear()
         raise
 
@@ -378,7 +339,7 @@ def _load(
     optimizer: torch.optim.Optimizer | None,
     verify_: bool,
 ) -> dict[str, Any] | None:
-    current = _state(model, optimizer, keep_made_state=True)
+    current = state_dicts(model, optimizer, keep_made_state=True)
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
     def check() -> tuple[str, dict[str, Any], list, bool]:
@@ -409,7 +370,7 @@ def _load(
         )
         all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
     if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
-        on_rank0(lambda: check_param_groups(described[0], current))
+        sources = on_rank0(lambda: check_param_groups(described[0], current))
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
     # them all, before the collective read): a failure changes nothing.
     extra, error = None, None
@@ -432,6 +393,11 @@ def _load(
     if optimizer is None:
         set_model_state_dict(model, current["model"])
     else:
+        # The saved groups' hyperparameters, by position as DCP read them; each group takes its
+        # source's afterwards (torch's own mapping can give an empty group another's).
+        hyper = [
+            {k: v for k, v in g.items() if k != "params"} for g in current["optim"]["param_groups"]
+        ]
         # strict=False lets the stateless parameters (checked above) stay without state; every
         # other key was checked against the checkpoint and read.
         set_state_dict(
@@ -441,5 +407,7 @@ def _load(
             optim_state_dict=current["optim"],
             options=StateDictOptions(strict=not stateless),
         )
+        for group, source in zip(optimizer.param_groups, sources or []):
+            group.update(hyper[source])
     refresh_buffers(model)
     return extra

@@ -111,12 +111,15 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
         )
 
 
-def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
+def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> list[int] | None:
     """Raise CheckpointError when the optimizer's parameter groups are not the saved ones: another
     number of groups (as `Optimizer.load_state_dict` refuses it), or a parameter in another group.
     DCP maps each saved group to the current group that holds its last parameter: a group could
     be left without hyperparameters (a bare KeyError at the next step) or silently get another
-    group's learning rate and weight decay."""
+    group's learning rate and weight decay.
+
+    Returns, for each group, the position of the saved group it resumes from (None when the
+    checkpoint has no optimizer groups to match)."""
     if "optim" not in state:
         return
     prefix = "optim.param_groups."
@@ -157,33 +160,41 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> None:
             f"parameter group than when it was saved: {shown}; build the optimizer with the same "
             "parameter groups as the run that saved it"
         )
-    # Which saved group's hyperparameters each group gets, as torch's `set_state_dict` maps
-    # them (`_split_optim_state_dict`): a saved group goes to the last group holding one of its
-    # parameters; an empty group takes the last saved group (meant: the one empty saved group,
-    # which it is only when that one is last). A group that gets none is left without lr, betas,
-    # ...: a bare KeyError at the next step.
-    mapping: dict[int, int] = {}
-    for i, names in enumerate(have):
-        for j, g in enumerate(was):
-            if set(names) & set(g):
-                mapping[j] = i
-        if not names:
-            mapping[len(was) - 1] = i
-    unfed = [i for i in range(len(have)) if i not in mapping.values()]
-    if unfed:
-        i = unfed[0]
-        shown = ", ".join(repr(n) for n in have[i][:5]) + (" ..." if len(have[i]) > 5 else "")
-        why = (
-            "shares no parameter with any saved group"
-            if have[i]
-            else "has no parameters, and torch's set_state_dict restores an empty group only "
-            "when it is the last one (put empty groups last)"
-        )
+    # The saved group each group resumes from: the one sharing its parameters (the partition
+    # is the same, checked above), and for empty groups the saved empty groups in order. `load`
+    # applies these itself after torch's `set_state_dict`, whose own mapping gives an empty
+    # group the last saved group's hyperparameters and can leave another group with none.
+    sources: list[int] = []
+    empties = [j for j, g in enumerate(was) if not g]
+    if len(empties) > 1 or sum(not g for g in have) > 1:  # torch raises midway, model loaded
         raise CheckpointError(
-            f"checkpoint {info.path}: optimizer parameter group {i} ({shown or 'empty'}) {why}, "
-            "so it would resume without hyperparameters (lr, betas, weight decay); build the "
-            "optimizer with the same parameter groups as the run that saved it"
+            f"checkpoint {info.path}: more than one empty optimizer parameter group (saved "
+            f"{len(empties)}, now {sum(not g for g in have)}); torch's set_state_dict supports one"
         )
+    for i, names in enumerate(have):
+        found = [j for j, g in enumerate(was) if set(names) & set(g)]
+        if not names and empties:
+            found = [empties.pop(0)]
+            if found[0] != i:  # torch's set_state_dict then fails midway, the model loaded
+                raise CheckpointError(
+                    f"checkpoint {info.path}: optimizer parameter group {i} is empty, and the "
+                    f"saved empty group was group {found[0]}; torch's set_state_dict cannot "
+                    "move an empty group: keep the groups in their saved order"
+                )
+        if not found:
+            shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+            why = (
+                "shares no parameter with any saved group"
+                if names
+                else "is empty, and the saved groups have no (other) empty group"
+            )
+            raise CheckpointError(
+                f"checkpoint {info.path}: optimizer parameter group {i} ({shown or 'empty'}) "
+                f"{why}, so it has no saved hyperparameters (lr, betas, weight decay) to resume "
+                "with; build the optimizer with the same parameter groups as the run that saved it"
+            )
+        sources.append(found[0])
+    return sources
 
 
 def _saved_group_params(info: CheckpointInfo, groups: int) -> list[list[str]]:
