@@ -39,34 +39,71 @@ def _params(module: nn.Module, prefix: str = "") -> list[tuple[str, str, torch.T
 
 
 def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) -> None:
-    """Before `fully_shard(unit, mesh=mesh, **kwargs)`: `fully_shard` each submodule of `unit`
-    (named `name` in the model) whose parameters are of a dtype other than the one most of the
-    unit's are in (by elements), with `kwargs`' mixed precision minus the parameter cast.
-    ValueError, naming the parameters, where that cannot give units of one dtype (the unit
-    itself, or one module, holds parameters of two dtypes)."""
-    prefix = f"{name}." if name else ""
-    params = _params(unit, prefix)
+    """Before `fully_shard(unit, mesh=mesh, **kwargs)`: `fully_shard` the parts of `unit` (named
+    `name` in the model) whose parameters are of another dtype than the rest, so that every unit
+    is of one dtype. The unit keeps the dtype most of its parameters are in (by elements); a
+    submodule whose own parameters are of another dtype becomes a unit of its own with its
+    descendants of that dtype (`kwargs`' mixed precision minus the parameter cast: it keeps the
+    precision the model asked for), and its descendants of yet another dtype units of theirs.
+    The split units are gathered when `unit`'s forward starts (a parent may read a submodule's
+    weight without calling it, as Mamba-style mixers do with their `conv1d`). ValueError,
+    naming the parameters, where one module holds parameters of two dtypes itself."""
     counts: Counter = Counter()
-    for _, _, p in params:
+    for _, _, p in _params(unit, f"{name}." if name else ""):
         counts[p.dtype] += p.numel()
     if len(counts) < 2:
         return
     main = counts.most_common(1)[0][0]
-    owners = sorted({owner for owner, _, p in params if p.dtype != main})
-    owners = [o for o in owners if not any(o != a and o.startswith(a) for a in owners)]
-    for owner in owners:
-        own = [(n, p) for o, n, p in params if o.startswith(owner)]
-        dtypes = {p.dtype for _, p in own}
-        if owner == prefix or len(dtypes) > 1:
-            listed = ", ".join(f"{n} ({p.dtype})" for n, p in own[:6])
-            raise ValueError(
-                f"FSDP2 needs the parameters of one unit in one dtype, and "
-                f"{owner.rstrip('.') or 'the model'} holds several ({listed}): give those "
-                "parameters one dtype (e.g. model.to(torch.bfloat16)) before sharding"
-            )
-        module = unit.get_submodule(owner[len(prefix) :].rstrip("."))
-        policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
-        fully_shard(module, mesh=mesh, **{**kwargs, "mp_policy": _uncast(policy)})
+    policy = kwargs.get("mp_policy") or MixedPrecisionPolicy()
+    split: list[nn.Module] = []
+
+    def isolate(module: nn.Module, prefix: str, keep: torch.dtype) -> None:
+        """Make every unit under `module` of one dtype, `module`'s own kept at `keep`."""
+        for child_name, child in module.named_children():
+            if isinstance(child, FSDPModule):
+                continue
+            path = f"{prefix}{child_name}."
+            dtypes = {p.dtype for _, _, p in _params(child, path)}
+            if not dtypes or dtypes == {keep}:
+                continue
+            own = {p.dtype for p in child.parameters(recurse=False)}
+            if len(own) > 1:
+                listed = ", ".join(
+                    f"{path}{n} ({p.dtype})" for n, p in child.named_parameters(recurse=False)
+                )
+                raise ValueError(
+                    f"FSDP2 needs the parameters of one unit in one dtype, and {path.rstrip('.')} "
+                    f"holds several itself ({listed}). Load the model in fp32 and pass "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                    "reduce_dtype=torch.float32) (fp32 master weights, bf16 compute), or give "
+                    "these parameters one dtype before sharding"
+                )
+            # The child's unit takes its own parameters' dtype, or else its most common one.
+            child_counts: Counter = Counter()
+            for _, _, p in _params(child, path):
+                child_counts[p.dtype] += p.numel()
+            child_keep = next(iter(own)) if own else child_counts.most_common(1)[0][0]
+            isolate(child, path, child_keep)
+            if child_keep != keep:
+                cast = policy if child_keep == main else _uncast(policy)
+                fully_shard(child, mesh=mesh, **{**kwargs, "mp_policy": cast})
+                split.append(child)
+
+    isolate(unit, f"{name}." if name else "", main)
+    if split:
+        unit.register_forward_pre_hook(_gather(split))
+
+
+def _gather(split: list[nn.Module]):
+    """A forward pre-hook that gathers the split units' parameters (a no-op for one whose own
+    forward runs and gathers them anyway; the rest are resharded after the backward, by FSDP's
+    final callback, or by the next forward under no_grad)."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        for unit in split:
+            unit.unshard()
+
+    return hook
 
 
 def _uncast(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:

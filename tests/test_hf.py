@@ -269,6 +269,59 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     return out
 
 
+def _split_unit_read_by_parent(rank: int, world: int, path: str):
+    """inkling2 in bf16 keeps its short convolutions (`sconv.conv1d`, an nn.Conv1d) in fp32,
+    and the parent reads `conv1d.weight` without calling the Conv1d: a unit of its own that
+    FSDP never gathered ("mixed torch.Tensor and DTensor" on the first forward). Split units
+    are now gathered when their block's forward starts."""
+    from _hf_families import family
+
+    from grouped_ep.hf import parallelize
+    from grouped_ep.parallel import make_mesh
+
+    load = family("inkling2").model_class.from_pretrained
+    model = load(path, experts_implementation="grouped_ep")
+    fp32 = [n for n, p in model.named_parameters() if p.dtype == torch.float32]
+    parallelize(model, make_mesh(1, world))
+    out = {"fp32": fp32}
+    tokens = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        logits = model(tokens, use_cache=False).logits
+        logits.float().square().mean().backward()
+        out[step] = (
+            logits.detach(),
+            {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        )
+        model.zero_grad()
+    return out
+
+
+def test_split_unit_read_by_its_parent_is_gathered(tmp_path):
+    from _hf_families import build, family
+
+    build(family("inkling2")).to(torch.bfloat16).save_pretrained(tmp_path)
+    ref = family("inkling2").model_class.from_pretrained(
+        tmp_path, experts_implementation="grouped_ep"
+    )
+    got = run_ranks(_split_unit_read_by_parent, 2, str(tmp_path), timeout=150)
+    assert any(n.endswith("conv1d.weight") for n in got[0]["fp32"]), got[0]["fp32"]
+    for rank, out in enumerate(got):
+        tokens = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+        want = ref(tokens, use_cache=False).logits
+        for step in range(2):
+            torch.testing.assert_close(out[step][0], want.detach())
+    # One step on both ranks' batches: gradients of the mean loss, as FSDP averages them.
+    ref.zero_grad()
+    for rank in range(2):
+        tokens = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+        (ref(tokens, use_cache=False).logits.float().square().mean() / 2).backward()
+    for name, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(
+                got[0][0][1][name].float(), p.grad.float(), atol=2e-3, rtol=2e-2, msg=name
+            )
+
+
 def _deepseek_bf16_fp32_router():
     from _hf_families import build, family
 

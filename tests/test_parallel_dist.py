@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -425,3 +427,63 @@ def test_int_reshard_after_forward_must_divide_both_fsdp_groups():
             check_reshard(n, Mesh(dp, ep), "fully_shard_moe")
     for dp, ep, n in ((2, 2, 2), (4, 2, 2), (2, 1, True), (1, 2, False)):
         check_reshard(n, Mesh(dp, ep), "fully_shard_moe")
+
+
+class _ReadsChildWeight(nn.Module):
+    """A block whose fp32 child is never called: the block reads its weight (as Mamba-style
+    mixers read `conv1d.weight`), next to a bf16 Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, dtype=torch.bfloat16)
+        self.gate = nn.Linear(8, 8, bias=False, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.nn.functional.linear(x.float(), self.gate.weight).sigmoid()
+        return self.proj(x) * g.to(x.dtype)
+
+
+def _split_units_rank(rank: int, world: int):
+    from torch.distributed.fsdp import fully_shard
+
+    from grouped_ep._mixed_dtypes import split_dtypes
+    from grouped_ep.parallel import make_mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReadsChildWeight(), _ReadsChildWeight())
+    ref = copy.deepcopy(model)
+    mesh = make_mesh(world, 1)["dp"]
+    for i, block in enumerate(model):
+        split_dtypes(block, str(i), mesh, {})
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rank))
+    out = []
+    for _ in range(2):  # the second step gathers again after the final callback resharded
+        y = model(x)
+        y.float().square().mean().backward()
+        out.append((y.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+        model.zero_grad()
+    with torch.no_grad():
+        out.append(model(x))
+    return out, ref
+
+
+def test_split_unit_that_its_block_never_calls_is_gathered():
+    """FSDP2 gathers a unit in its own forward: a split fp32 child whose block reads its weight
+    without calling it stayed sharded ("mixed torch.Tensor and DTensor")."""
+    results = run_ranks(_split_units_rank, 2, timeout=TIMEOUT)
+    ref = results[0][1]
+    grads = None
+    for rank, (out, _) in enumerate(results):
+        x = torch.randn(4, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rank))
+        want = ref(x)
+        (want.float().square().mean() / 2).backward()
+        for y, g in out[:2]:
+            torch.testing.assert_close(y, want.detach())
+            grads = g
+        torch.testing.assert_close(out[2], want.detach())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            grads[name].float(), p.grad.float(), rtol=2e-2, atol=1e-3, msg=name
+        )

@@ -328,7 +328,9 @@ def load(
     try:
         return _load(path, model, optimizer, verify)
     except BaseException:
-        if fresh:  # the state made to read into (see `state.state_dicts`) goes: the optimizer is as it was
+        if (
+            fresh
+        ):  # the state made to read into (see `state.state_dicts`) goes: the optimizer is as it was
             optimizer.state.clear()
         raise
 
