@@ -19,6 +19,7 @@ against single-process training.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -322,7 +323,12 @@ def fully_shard_moe(
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
         local = module.num_experts // ep
         placement = Shard(0) if local % dp == 0 else Shard(1)
-        fully_shard(module, mesh=dp_mesh, shard_placement_fn=lambda _p, s=placement: s, **kwargs)
+        fully_shard(
+            module,
+            mesh=dp_mesh,
+            shard_placement_fn=lambda _p, s=placement: s,
+            **_single_rank_reduce(module, dp, kwargs),
+        )
         module.set_gradient_divide_factor(float(dp * ep))
         # torch 2.14 divides twice when the FSDP group has one rank and sums are forced
         # (once in the single-rank copy, once as the post-divide): force only when dp > 1.
@@ -334,6 +340,19 @@ def fully_shard_moe(
     split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     return model
+
+
+def _single_rank_reduce(module: nn.Module, dp: int, kwargs: dict) -> dict:
+    """`kwargs` for the experts' FSDP group. With one rank there (dp = 1) and an fp16 reduction,
+    torch 2.14 divides the gradient by the divide factor twice (its fp16 pre/post-divide split,
+    then the single-rank copy): the experts' gradients came back / (dp * ep)**2. Reducing in
+    fp32 there avoids that split and costs nothing (one rank: a local copy)."""
+    policy = kwargs["mp_policy"]
+    dtype = next(module.parameters()).dtype
+    reduce = policy.reduce_dtype or policy.param_dtype or dtype
+    if dp > 1 or reduce != torch.float16:
+        return kwargs
+    return {**kwargs, "mp_policy": dataclasses.replace(policy, reduce_dtype=torch.float32)}
 
 
 def clip_grad_norm_(

@@ -261,6 +261,11 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     assert gates and all(n.endswith("mlp.gate.weight") for n in gates), gates
     with torch.no_grad():
         out["mixed_dtypes"] = mixed(batch(world)[rank]).logits
+    # fp16 at dp = 1: torch 2.14 divided the experts' gradients by dp * ep twice (/ 4 here).
+    half = make_model("qwen3_moe").half()
+    parallelize(half, mesh)
+    _, grads = logits_and_grads(half, batch(world)[rank])
+    out["fp16_experts"] = {n: g.full_tensor() for n, g in grads.items() if "experts" in n}
     mixed(batch(world)[rank]).logits.float().square().mean().backward()
     for name, p in mixed.named_parameters():
         want = torch.float32 if name in gates else torch.bfloat16
@@ -349,6 +354,12 @@ def test_parallelize_ep2_matches_single_process():
         # One training step: the mean loss over all ranks' batches, as one process sees it.
         _, ref_grads = logits_and_grads(model, ids.reshape(-1, SEQ))
         assert_grads_close(got[0][kind][1], ref_grads)
+    half = make_model("qwen3_moe").half()
+    half.set_experts_implementation("eager")
+    _, ref_half = logits_and_grads(half, ids.reshape(-1, SEQ))
+    for name, g in got[0]["fp16_experts"].items():
+        ratio = (g.float().norm() / ref_half[name].float().norm()).item()
+        assert abs(ratio - 1) < 0.02, (name, ratio)
     mixed = _deepseek_bf16_fp32_router()
     for rank in range(world):
         with torch.no_grad():
