@@ -4,9 +4,9 @@
 asserts "FSDP expects uniform original parameter dtype" otherwise. transformers keeps some
 parameters in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`: DeepSeek-V2/V3's router
 `gate.weight`, GLM4-MoE, dots1, ERNIE-4.5-MoE, ...). `split_dtypes(unit, ...)`, called just
-before `fully_shard(unit)`, makes each module that holds parameters of another dtype than most
-of the unit's a unit of its own, sharded the same way but never cast (`param_dtype=None`), so it
-keeps the precision the model asked for; the rest of the unit is then of one dtype.
+before `fully_shard(unit)`, makes the parts of the unit in another dtype units of their own
+(see its docstring); those not in the unit's main dtype are never cast (`param_dtype=None`), so
+they keep the precision the model asked for.
 """
 
 from __future__ import annotations
@@ -20,22 +20,23 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def _params(module: nn.Module, prefix: str = "") -> list[tuple[str, str, torch.Tensor]]:
-    """(owner module name, parameter name, parameter) for the parameters `fully_shard(module)`
-    would manage: none of a submodule that is already a unit of its own; each tensor once."""
-    out, seen = [], set()
+def _dtype_counts(module: nn.Module) -> Counter:
+    """Elements per dtype of the parameters `fully_shard(module)` would manage: none of a
+    submodule that is already a unit of its own; each tensor once."""
+    counts: Counter = Counter()
+    seen: set[int] = set()
 
-    def walk(m: nn.Module, name: str) -> None:
-        for n, p in m.named_parameters(recurse=False):
+    def walk(m: nn.Module) -> None:
+        for p in m.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append((name, f"{name}{n}", p))
-        for child_name, child in m.named_children():
+                counts[p.dtype] += p.numel()
+        for child in m.children():
             if not isinstance(child, FSDPModule):
-                walk(child, f"{name}{child_name}.")
+                walk(child)
 
-    walk(module, prefix)
-    return out
+    walk(module)
+    return counts
 
 
 def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) -> None:
@@ -48,9 +49,7 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
     The split units are gathered when `unit`'s forward starts (a parent may read a submodule's
     weight without calling it, as Mamba-style mixers do with their `conv1d`). ValueError,
     naming the parameters, where one module holds parameters of two dtypes itself."""
-    counts: Counter = Counter()
-    for _, _, p in _params(unit, f"{name}." if name else ""):
-        counts[p.dtype] += p.numel()
+    counts = _dtype_counts(unit)
     if len(counts) < 2:
         return
     main = counts.most_common(1)[0][0]
@@ -63,8 +62,8 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
             if isinstance(child, FSDPModule):
                 continue
             path = f"{prefix}{child_name}."
-            dtypes = {p.dtype for _, _, p in _params(child, path)}
-            if not dtypes or dtypes == {keep}:
+            child_counts = _dtype_counts(child)
+            if not child_counts or set(child_counts) == {keep}:
                 continue
             own = {p.dtype for p in child.parameters(recurse=False)}
             if len(own) > 1:
@@ -79,9 +78,6 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
                     "these parameters one dtype before sharding"
                 )
             # The child's unit takes its own parameters' dtype, or else its most common one.
-            child_counts: Counter = Counter()
-            for _, _, p in _params(child, path):
-                child_counts[p.dtype] += p.numel()
             child_keep = next(iter(own)) if own else child_counts.most_common(1)[0][0]
             isolate(child, path, child_keep)
             if child_keep != keep:

@@ -4,7 +4,8 @@ DCP's `async_save` copies the state to CPU memory on the calling thread (that is
 the training step waits for) and writes it from a background thread. Here one more background
 step follows on rank 0: once DCP has finished (its last collective gathers every rank's write
 results, so every rank's files are complete), rank 0 commits the step directory, moves `latest`
-and prunes old steps, and sends the outcome to every rank. Only one save is in flight: the next `save` or `load` waits for it first.
+and prunes old steps, and sends the outcome to every rank. Only one save is in flight: the next
+`save` or `load` waits for it first.
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ def _guard_exit() -> None:
     `torch.distributed` attribute, `distributed_c10d`'s, and names a script imported before
     (`from torch.distributed import destroy_process_group`). torch's own body runs from a copy."""
     global _ORIGINAL_DESTROY
-    target = c10d.destroy_process_group
     if _ORIGINAL_DESTROY is not None:
         return
+    target = c10d.destroy_process_group
     original = types.FunctionType(
         target.__code__, target.__globals__, target.__name__, target.__defaults__,
         target.__closure__,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -147,13 +148,20 @@ def has_checksums(ckpt: Path, manifest: dict) -> bool:
     return manifest.get("checksums") == FORMAT or any(ckpt.glob(f"__*_{SUFFIX}"))
 
 
+def _file_entry(ckpt: Path, name: str, owner: int, save_id: str) -> tuple[Any, str | None]:
+    """The `[length, CRC32C]` that rank `owner`'s table in `ckpt` records for file `name` (None
+    if it lists none), or (None, what is wrong with the table)."""
+    table, problem = _read_table(ckpt / f"__{owner}_{SUFFIX}", save_id)
+    if problem is not None:
+        return None, problem
+    files = table.get("files")
+    return (files.get(name) if isinstance(files, dict) else None), None
+
+
 def lists_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> bool:
     """Whether rank `owner`'s checksum table in `ckpt` lists file `name` (False for checkpoints
     saved before tables listed files, and for a table that cannot be read)."""
-    if save_id is None:
-        return False
-    table, _ = _read_table(ckpt / f"__{owner}_{SUFFIX}", save_id)
-    return table is not None and isinstance(table.get("files"), dict) and name in table["files"]
+    return save_id is not None and _file_entry(ckpt, name, owner, save_id)[0] is not None
 
 
 def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str | None:
@@ -162,13 +170,11 @@ def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str |
     had checksums (no `save_id` in the manifest) are not checked."""
     if save_id is None:
         return None
-    side = ckpt / f"__{owner}_{SUFFIX}"
-    table, problem = _read_table(side, save_id)
+    want, problem = _file_entry(ckpt, name, owner, save_id)
     if problem is not None:
         return f"{problem}; it holds the checksum of {name}"
-    want = table.get("files", {}).get(name) if isinstance(table.get("files"), dict) else None
     if not (isinstance(want, list) and len(want) == 2):
-        return f"{side}: no checksum for {name}"
+        return f"{ckpt / f'__{owner}_{SUFFIX}'}: no checksum for {name}"
     try:
         got = file_crc(ckpt / name)
     except (OSError, RuntimeError) as e:

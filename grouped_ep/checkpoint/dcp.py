@@ -105,7 +105,10 @@ def _failures(e: CheckpointException) -> str:
     return f"{own}\n{e}" if own else str(e)
 
 
-def _free_space(root: Path) -> str:
+def _remove_partial(tmp: Path, root: Path) -> str:
+    """Remove a failed save's partial step `tmp` (a full disk stays full otherwise); the free
+    space left on `root`'s file system, as text for the error."""
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
     except OSError:
@@ -191,12 +194,8 @@ def save(
         rank 0 removes the partial step (a full disk stays full otherwise; one rank, so that no
         rank removes the directory of a retry rank 0 has begun) and says the free space."""
 
-        def clean() -> str:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return _free_space(root)
-
         try:
-            free = on_rank0(clean, group=group)
+            free = on_rank0(lambda: _remove_partial(tmp, root), group=group)
         except CheckpointError:
             free = ""
         return CheckpointError(
@@ -230,10 +229,10 @@ def save(
         try:
             commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # rank 0 alone: the others wait for it
+            free = _remove_partial(tmp, root)  # rank 0 alone: the others wait for it
             raise CheckpointError(
                 f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
-                f"{_free_space(root)}; `latest` still names the previous checkpoint"
+                f"{free}; `latest` still names the previous checkpoint"
             ) from e
         if keep_last is not None:
             try:
@@ -328,9 +327,8 @@ def load(
     try:
         return _load(path, model, optimizer, verify)
     except BaseException:
-        if (
-            fresh
-        ):  # the state made to read into (see `state.state_dicts`) goes: the optimizer is as it was
+        # The state made to read into (see `state.state_dicts`) goes: the optimizer is as it was.
+        if fresh:
             optimizer.state.clear()
         raise
 

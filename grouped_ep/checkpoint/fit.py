@@ -166,16 +166,20 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> list[int]
     # group the last saved group's hyperparameters and can leave another group with none.
     sources: list[int] = []
     empties = [j for j, g in enumerate(was) if not g]
-    if len(empties) > 1 or sum(not g for g in have) > 1:  # torch raises midway, model loaded
+    empty_now = sum(not g for g in have)
+    if len(empties) > 1 or empty_now > 1:  # torch raises midway, the model loaded
         raise CheckpointError(
             f"checkpoint {info.path}: more than one empty optimizer parameter group (saved "
-            f"{len(empties)}, now {sum(not g for g in have)}); torch's set_state_dict supports one"
+            f"{len(empties)}, now {empty_now}); torch's set_state_dict supports one"
         )
     for i, names in enumerate(have):
-        found = [j for j, g in enumerate(was) if set(names) & set(g)]
-        if not names and empties:
-            found = [empties.pop(0)]
-            if found[0] != i:  # torch's set_state_dict then fails midway, the model loaded
+        if names:
+            found = [j for j, g in enumerate(was) if set(names) & set(g)]
+        else:
+            found = empties
+            if (
+                found and found[0] != i
+            ):  # torch's set_state_dict then fails midway, the model loaded
                 raise CheckpointError(
                     f"checkpoint {info.path}: optimizer parameter group {i} is empty, and the "
                     f"saved empty group was group {found[0]}; torch's set_state_dict cannot "
@@ -186,7 +190,7 @@ def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> list[int]
             why = (
                 "shares no parameter with any saved group"
                 if names
-                else "is empty, and the saved groups have no (other) empty group"
+                else "is empty, and the saved groups have no empty group"
             )
             raise CheckpointError(
                 f"checkpoint {info.path}: optimizer parameter group {i} ({shown or 'empty'}) "
