@@ -12,6 +12,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,6 +21,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from grouped_ep.checkpoint.checksum import (
         has_checksums,
         read_manifest,
+        recorded_files,
         verify_file,
         verify_share,
     )
@@ -35,12 +37,17 @@ def _inspect(args: argparse.Namespace) -> int:
     crc = has_checksums(info.path, manifest)
     checked = crc and not args.no_verify and not info.problems
     if checked:  # reads every data file
-        info.problems += verify_share(info, save_id=manifest.get("save_id"))
-        for extra in sorted(info.path.glob("extra-rank*.pt")):  # each rank's `extra`
+        save_id = manifest.get("save_id")
+        info.problems += verify_share(info, save_id=save_id)
+        # Each rank's `extra`: the files there, and those the tables list (a missing one fails
+        # `load` on its rank).
+        extras = recorded_files(info.path, save_id)
+        for extra in info.path.glob("extra-rank*.pt"):
             owner = extra.stem.removeprefix("extra-rank")
-            problem = owner.isdigit() and verify_file(
-                info.path, extra.name, int(owner), manifest.get("save_id")
-            )
+            if owner.isdigit():
+                extras.add((extra.name, int(owner)))
+        for name, owner in sorted(extras):
+            problem = verify_file(info.path, name, owner, save_id)
             if problem:
                 info.problems.append(problem)
     print(format_report(info, chunks=not args.summary))
@@ -111,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_inspect)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would print a traceback
+        return code
+    except BrokenPipeError:  # `| head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -191,6 +191,43 @@ def test_a_failed_rename_raises_and_leaves_no_index(tmp_path: Path, monkeypatch)
     assert not list(out.glob(".tmp-*"))
     ck.export_hf(model, out, max_shard_size="10KB")  # a new export puts it right
     _check_export(out)
+    # Over a save_pretrained directory: its single `model.safetensors` (read before any index)
+    # stayed, and the directory loaded silently as the earlier model.
+    over = tmp_path / "over"
+    tiny_qwen3_moe(seed=1).save_pretrained(str(over))
+    calls.clear()
+    monkeypatch.setattr(os, "replace", fail_on_second)
+    with pytest.raises(ck.CheckpointError, match="read-only"):
+        ck.export_hf(model, over, max_shard_size="10KB")
+    monkeypatch.undo()
+    assert not (over / "model.safetensors").exists()
+    assert not (over / "model.safetensors.index.json").exists()
+
+
+def test_export_removes_what_a_killed_export_left(tmp_path: Path) -> None:
+    """The `.tmp-` files of a killed export stayed for good (and went up with the folder)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in (".tmp-model-00001-of-00018.safetensors", ".tmp-model.safetensors"):
+        (out / name).write_bytes(b"partial")
+    (out / ".tmp-notes").write_text("not ours")
+    ck.export_hf(tiny_qwen3_moe(seed=0), out, max_shard_size="10KB")
+    assert sorted(p.name for p in out.glob(".tmp-*")) == [".tmp-notes"]
+    _check_export(out)
+    with pytest.raises(ck.CheckpointError, match="dir is empty"):  # was: the current directory
+        ck.export_hf(tiny_qwen3_moe(seed=0), "")
+
+
+def test_export_writes_the_generation_config(tmp_path: Path) -> None:
+    """Without generation_config.json, the export forgot the release's end-of-sequence ids and
+    sampling defaults: generate() no longer stopped where the original did."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = tiny_qwen3_moe(seed=0)
+    model.generation_config = GenerationConfig(eos_token_id=[3, 7], do_sample=True, temperature=0.6)
+    ck.export_hf(model, tmp_path / "hf", max_shard_size="10KB")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").generation_config
+    assert (back.eos_token_id, back.do_sample, back.temperature) == ([3, 7], True, 0.6)
 
 
 def test_export_of_a_compiled_model_writes_the_models_keys(tmp_path: Path) -> None:

@@ -223,3 +223,32 @@ def test_inspect_no_verify_says_the_checksums_were_not_checked(tmp_path: Path, c
     out = capsys.readouterr().out
     assert "--no-verify: the CRC32Cs saved with the data were not checked" in out
     assert "match the CRC32C" not in out
+
+
+def test_inspect_reports_an_extra_file_that_is_gone(tmp_path: Path, capsys) -> None:
+    """`load` refuses a checkpoint whose rank's `extra-rank<r>.pt` is gone while its checksum
+    table lists it; `inspect` said OK (exit 0), checking only the files that were there."""
+    from grouped_ep.__main__ import main as cli
+
+    step = ck.save(tmp_path, _model(1.0), extra={"step": 1}, step=1)
+    (step / "extra-rank00000.pt").unlink()
+    assert cli(["inspect", str(tmp_path), "--summary"]) == 1
+    assert "extra-rank00000.pt is missing (rank 0's checksum table lists it)" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(ck.CheckpointError, match="extra-rank00000.pt is missing"):
+        ck.load(tmp_path, _model(0.0))
+
+
+def test_inspect_into_a_closed_pipe_prints_no_traceback(tmp_path: Path) -> None:
+    """`inspect ... | head -2` printed a BrokenPipeError traceback on a healthy checkpoint."""
+    ck.save(tmp_path, _model(1.0), step=1)
+    script = (  # stdout is a pipe whose reader has gone: every write fails
+        "import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); "
+        "from grouped_ep.__main__ import main; "
+        f"sys.exit(main(['inspect', {str(tmp_path)!r}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr

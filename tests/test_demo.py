@@ -72,3 +72,26 @@ def test_demo_out_replaces_only_what_the_demo_made(tmp_path):
     (demo / "ckpt").mkdir()
     _fresh_out(demo, None)  # a directory of an earlier run: replaced
     assert sorted(p.name for p in demo.iterdir()) == [_MARK]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: no config.json there"),
+        (["--steps", "0"], "--steps must be > 0"),
+        (["--world-size", "0"], "--world-size must be > 0"),
+        (["--world-size", "3"], "--world-size 3 must divide the global batch"),
+        (["--world-size", "2", "--ep", "3"], "--ep 3 must divide the world size 2 and the 8"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_touching_out(tmp_path, capsys, args, message):
+    """They ended in a traceback on every rank, an IndexError in the summary, or a bare
+    AssertionError, some after --out had been emptied."""
+    from grouped_ep.demo.__main__ import main
+
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exit:
+        main(["--out", str(out), *args])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

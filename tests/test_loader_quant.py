@@ -511,6 +511,28 @@ def test_mxfp4_into_transformers_gpt_oss_takes_its_orientation(tmp_path, hidden,
     torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
 
+def test_export_of_a_model_loaded_from_mxfp4_is_a_plain_checkpoint(tmp_path):
+    """The export kept the source's `quantization_config`: transformers then read the plain
+    weights as quantized (here: "requires accelerate"; on an FP8 GPU: cast to float8, scales
+    "newly initialized")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grouped_ep.checkpoint import export_hf
+
+    _gpt_oss_mxfp4(tmp_path / "ckpt", 64, 32)
+    config = AutoConfig.from_pretrained(tmp_path / "ckpt")
+    assert config.quantization_config["quant_method"] == "mxfp4"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_sharded(model, tmp_path / "ckpt")
+    export_hf(model, tmp_path / "hf")
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.arange(12).view(2, 6)
+    torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert "quantization_config" in model.config.to_dict()  # the model's own config is kept
+
+
 def test_mxfp4_without_quantization_config_names_the_keys(tmp_path):
     write_mxfp4(tmp_path)
     (tmp_path / "config.json").write_text("{}")

@@ -164,6 +164,21 @@ def lists_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> bool:
     return save_id is not None and _file_entry(ckpt, name, owner, save_id)[0] is not None
 
 
+def recorded_files(ckpt: Path, save_id: str | None) -> set[tuple[str, int]]:
+    """(file name, owning rank) of every file the checksum tables of `ckpt` list (each rank's
+    `extra-rank<r>.pt`); tables that cannot be read, or of another save, list none."""
+    out: set[tuple[str, int]] = set()
+    if save_id is None:
+        return out
+    for side in ckpt.glob(f"__*_{SUFFIX}"):
+        owner = side.name[2 : -len(SUFFIX) - 1]
+        table, _ = _read_table(side, save_id)
+        files = table.get("files") if table is not None else None
+        if owner.isdigit() and isinstance(files, dict):
+            out.update((name, int(owner)) for name in files)
+    return out
+
+
 def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str | None:
     """What is wrong with file `name` of `ckpt` (an `extra-rank<r>.pt`) against the
     `[length, CRC32C]` in rank `owner`'s table, or None. Checkpoints saved before these files
@@ -175,6 +190,8 @@ def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str |
         return f"{problem}; it holds the checksum of {name}"
     if not (isinstance(want, list) and len(want) == 2):
         return f"{ckpt / f'__{owner}_{SUFFIX}'}: no checksum for {name}"
+    if not (ckpt / name).is_file():
+        return f"{ckpt / name} is missing (rank {owner}'s checksum table lists it)"
     try:
         got = file_crc(ckpt / name)
     except (OSError, RuntimeError) as e:

@@ -23,28 +23,27 @@ Model tensors that transformers' conversion merges into one key (`q_proj`, `k_pr
 into a fused `qkv_proj`; text and vision experts into one expert list) are converted together,
 gathered whole on one rank.
 Files are written under temporary names, renamed once every rank has finished, and the index
-comes last (rank 0), so a failed export never looks complete (a failed rename leaves no index).
+comes last (rank 0), so a failed export never looks complete (a failed rename leaves no index
+and no single-file `model.safetensors`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.hf_config import write_hf_configs
 from grouped_ep.checkpoint.layout import write_text_atomic
 from grouped_ep.checkpoint.safetensors_writer import (
     PlannedTensor,
@@ -256,13 +255,15 @@ def _pack(keys: list[PlannedTensor], limit: int) -> list[list[PlannedTensor]]:
 
 
 # The weight files of a Hugging Face checkpoint: one file, or shards of an index.
-_HF_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+_HF_WEIGHTS = re.compile(r"(\.tmp-)?model(-\d+-of-\d+)?\.safetensors")
+SINGLE_FILE = "model.safetensors"
 
 
 def export_hf(
     model: nn.Module, dir: str | os.PathLike, max_shard_size: int | str = "5GB"
 ) -> Path | None:
-    """Write `model` as a Hugging Face checkpoint: safetensors shards, index, config.json.
+    """Write `model` as a Hugging Face checkpoint: safetensors shards, index, config.json (and
+    generation_config.json for a model that generates).
 
     Call on every rank (collective). Each rank writes the keys it owns into its own files: its
     experts from its local shard, and its share of the tensors that must be whole (gathered one
@@ -272,9 +273,10 @@ def export_hf(
     Args:
         model: the model (or its torch.compile wrapper); parameters may be DTensors or plain
             tensors (the same on every rank).
-        dir: output directory (created). Weight files of an earlier checkpoint there
+        dir: output directory (created; not ""). Weight files of an earlier checkpoint there
             (`model.safetensors`, `model-*-of-*.safetensors`) are replaced: after the new files
-            are in place, those this export did not write are removed.
+            are in place, those this export did not write are removed, with the `.tmp-` files
+            an export that was killed left.
         max_shard_size: most bytes per safetensors file, e.g. "5GB" or an int.
 
     Returns:
@@ -286,6 +288,8 @@ def export_hf(
     )
     if not any(True for _ in model.state_dict()):
         raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
+    if not os.fspath(dir):
+        raise CheckpointError("export_hf: dir is empty; name the directory to export into")
     limit = parse_size(max_shard_size)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -335,19 +339,20 @@ def export_hf(
         f"writing {out_dir}",
         lambda: _write_rank(model, entries, rank, per_rank[rank], out_dir, names),
     )
-    # From here the earlier index must not describe a half-new export: it goes first. A failed
-    # rename is raised on every rank (no rank left waiting in a collective) and leaves no index,
+    # From here the earlier export must not load as a half-new one: its index goes first, and a
+    # single-file `model.safetensors` (which transformers reads before any index). A failed
+    # rename is raised on every rank (no rank left waiting in a collective) and leaves neither,
     # so the directory does not load as a model.
-    on_rank0(lambda: index_path.unlink(missing_ok=True))
+    on_rank0(lambda: [(out_dir / n).unlink(missing_ok=True) for n in (INDEX_FILE, SINGLE_FILE)])
     step(
         f"renaming the files in {out_dir} (it holds no index now)",
         lambda: [os.replace(out_dir / f".tmp-{n}", out_dir / n) for n in names],
     )
 
     def write_index() -> Path:
-        # Weight files of an earlier export (or a save_pretrained) into this directory go: the
-        # single-file `model.safetensors`, which transformers reads before any index, and shards
-        # this export did not write.
+        # Weight files of an earlier export (or a save_pretrained) into this directory go:
+        # shards this export did not write, and the temporary files of an export that was
+        # killed (ours are all renamed by now).
         ours = {f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)}
         for old in out_dir.iterdir():
             if old.name not in ours and _HF_WEIGHTS.fullmatch(old.name):
@@ -360,31 +365,12 @@ def export_hf(
                     weight_map[p.key] = f"model-{start + i + 1:05d}-of-{n_files:05d}.safetensors"
         total = sum(p.nbytes for files in per_rank for f in files for p in f)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            _config_for_export(model, config).save_pretrained(str(out_dir))
+        write_hf_configs(model, out_dir)
         write_text_atomic(index_path, json.dumps(index, indent=2) + "\n")
         return index_path
 
     result = on_rank0(write_index)
     return result if rank == 0 else None
-
-
-def _config_for_export(model: nn.Module, config: Any) -> Any:
-    """A copy of `config` with what `save_pretrained` records about the model itself, written
-    over what the config says, as `save_pretrained` does: `architectures` (the model's class;
-    tools such as vLLM pick the model by it) and `dtype` (its floating parameters' dtype, which
-    the files hold: a model loaded in bf16 and cast to fp32 exports fp32)."""
-    config = copy.deepcopy(config)
-    if hasattr(model, "config"):  # a transformers model: its class is the architecture
-        name = type(model).__name__
-        if isinstance(model, FSDPModule) and name.startswith("FSDP"):
-            name = name[len("FSDP") :]  # fully_shard's subclass of the model's own class
-        config.architectures = [name]
-    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    if floating:
-        config.dtype = floating[0]
-    return config
 
 
 def _write_rank(

@@ -78,6 +78,39 @@ def _fresh_out(out: Path, checkpoint: Path | None) -> None:
     (out / _MARK).write_text("made by python -m grouped_ep.demo; replaced by the next run\n")
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything is written or launched (exit code 2)."""
+    from grouped_ep.demo.model import GLOBAL_BATCH, num_experts, tiny_qwen3_moe_config
+
+    for name in ("steps", "resume_steps", "world_size", "resume_world_size", "timeout", "lr"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    for name in ("world_size", "resume_world_size"):
+        if GLOBAL_BATCH % getattr(args, name):
+            ap.error(
+                f"--{name.replace('_', '-')} {getattr(args, name)} must divide the global batch "
+                f"of {GLOBAL_BATCH} sequences"
+            )
+    if args.checkpoint is None:
+        experts = num_experts(tiny_qwen3_moe_config())
+    else:
+        config = args.checkpoint / "config.json"
+        if not config.is_file():
+            ap.error(
+                f"--checkpoint {args.checkpoint}: no config.json there (a Hugging Face "
+                "checkpoint directory holds config.json and *.safetensors)"
+            )
+        try:
+            fields = json.loads(config.read_text())
+            experts = num_experts(argparse.Namespace(**fields))
+        except (OSError, ValueError, TypeError) as e:
+            ap.error(f"--checkpoint {args.checkpoint}: cannot read {config} ({e})")
+    if args.ep is not None and (args.ep < 1 or args.world_size % args.ep or experts % args.ep):
+        ap.error(
+            f"--ep {args.ep} must divide the world size {args.world_size} and the {experts} experts"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m grouped_ep.demo",
@@ -107,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ep is None and args.world_size % 4 == 0:
         args.ep = 2
+    _check_args(ap, args)
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
