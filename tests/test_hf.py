@@ -496,3 +496,34 @@ def test_expert_bias_gradients_in_bf16_are_as_accurate_as_eager():
         scale = w.abs().max()
         err_eager, err_ours = (e - w).abs().max() / scale, (o - w).abs().max() / scale
         assert err_ours <= 1.5 * err_eager + 1e-3, (err_ours.item(), err_eager.item())
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint_wrapper", "torch.compile"])
+def test_load_sharded_into_a_wrapped_model(tmp_path, wrapper):
+    """A model whose layers torch's activation checkpointing wraps before loading (as
+    torchtitan-style scripts do), or a torch.compile wrapper: every tensor was 'no checkpoint
+    key' (`..._checkpoint_wrapped_module.self_attn...`, `_orig_mod....`), though state_dict,
+    save and export_hf all leave the wrappers' names out."""
+    from test_checkpoint_dist import tiny_qwen3_moe
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ref = tiny_qwen3_moe(seed=0)
+    ref.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = tiny_qwen3_moe(seed=1)
+    if wrapper == "checkpoint_wrapper":
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer)
+        )
+        assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    else:
+        model = torch.compile(model)
+    report = grouped_ep.load_sharded(model, tmp_path)
+    assert report.missing == [] and report.unused_keys == []
+    got = model.state_dict()
+    for name, want in ref.state_dict().items():
+        key = name if name in got else f"_orig_mod.{name}"  # the compile wrapper's state_dict
+        torch.testing.assert_close(got[key], want, rtol=0, atol=0, msg=name)

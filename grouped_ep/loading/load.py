@@ -110,11 +110,19 @@ def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:
             )
 
 
+# Modules that wrap another without adding tensors; `state_dict` leaves their names out, and so
+# do checkpoints (torch's activation checkpointing and FSDP1 wrappers; torch.compile).
+_WRAPPER_NAMES = re.compile(
+    r"(?:^|(?<=\.))(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\."
+)
+
+
 def _targets(model: nn.Module) -> list[Target]:
-    """Parameters and persistent buffers, each distinct tensor once with all its names."""
+    """Parameters and persistent buffers, each distinct tensor once with all its names (as
+    `state_dict` names them: no wrapper's component)."""
     by_id: dict[int, Target] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
+        dot = _WRAPPER_NAMES.sub("", f"{prefix}.") if prefix else ""
         skip = getattr(module, "_non_persistent_buffers_set", set())
         items = [(n, t, True) for n, t in module._parameters.items()]
         items += [(n, t, False) for n, t in module._buffers.items() if n not in skip]
@@ -229,6 +237,8 @@ def load_sharded(
         A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
     """
     t0 = time.perf_counter()
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod  # torch.compile's wrapper: the model it compiles
     if threads is None:
         threads = default_threads()
     if not is_int(threads) or threads < 1:
