@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from grouped_ep._inference_mode import guard_first_forward
 from grouped_ep._mixed_dtypes import split_dtypes
 from grouped_ep._validate import is_int
 from grouped_ep.moe import GroupedExperts
@@ -339,6 +340,7 @@ def fully_shard_moe(
         fully_shard(block, mesh=flat_mesh, **kwargs)
     split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
+    guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
     return model
 
 

@@ -527,3 +527,41 @@ def test_load_sharded_into_a_wrapped_model(tmp_path, wrapper):
     for name, want in ref.state_dict().items():
         key = name if name in got else f"_orig_mod.{name}"  # the compile wrapper's state_dict
         torch.testing.assert_close(got[key], want, rtol=0, atol=0, msg=name)
+
+
+def _inference_mode_first(rank: int, world: int, dp: int) -> dict:
+    from test_checkpoint_dist import tiny_qwen3_moe
+
+    from grouped_ep.parallel import make_mesh
+
+    model = tiny_qwen3_moe(seed=0)
+    grouped_ep.hf.parallelize(model, make_mesh(dp, world // dp))
+    ids = torch.arange(10).view(2, 5)
+    with torch.inference_mode():  # the first forward: FSDP2 allocates its buffers here
+        first = model(ids).logits.clone()
+    loss = model(ids, labels=ids).loss  # a training step after it
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    with torch.inference_mode():
+        again = model(ids).logits.clone()
+    return {"first": first, "again": again, "loss": loss.detach(), "grads": grads}
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_first_forward_under_inference_mode_leaves_the_model_trainable(dp):
+    """FSDP2 kept the buffers its first forward allocated: under inference_mode they were
+    inference tensors, and every later forward failed ("Inference tensors do not track version
+    counter" at dp = 1; "Inplace update to inference tensor" in the next training step)."""
+    from test_checkpoint_dist import tiny_qwen3_moe
+
+    got = run_ranks(_inference_mode_first, 2, 1 if dp == 1 else 2, timeout=150)
+    ref = tiny_qwen3_moe(seed=0)
+    ids = torch.arange(10).view(2, 5)
+    loss = ref(ids, labels=ids).loss
+    loss.backward()
+    for r in got:
+        torch.testing.assert_close(r["first"], ref(ids).logits.detach())
+        torch.testing.assert_close(r["again"], r["first"])
+        torch.testing.assert_close(r["loss"], loss.detach())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
