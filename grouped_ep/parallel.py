@@ -210,12 +210,13 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh._flatten(DENSE_DIM)  # idempotent: returns the existing one after the first call
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def _blocks(model: nn.Module) -> tuple[list[nn.Module], set[int]]:
     """The repeated blocks to shard one by one: the elements of the outermost ModuleLists that
     hold experts (a transformer's layers, dense layers between MoE layers included). An element
     that is itself a ModuleList or ModuleDict (no forward, which `fully_shard` refuses) gives its
-    elements instead, at any depth."""
+    elements instead, at any depth. Also the ids of the last block of each list."""
     blocks: list[nn.Module] = []
+    last: set[int] = set()
     inside: set[int] = set()
 
     def add(module: nn.Module) -> None:
@@ -229,9 +230,12 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         if id(module) in inside or not isinstance(module, nn.ModuleList):
             continue
         if any(is_experts_module(m) for m in module.modules()):
+            count = len(blocks)
             add(module)
+            if len(blocks) > count:
+                last.add(id(blocks[-1]))
             inside.update(id(m) for m in module.modules())
-    return blocks
+    return blocks, last
 
 
 def _refuse_shared_direct_params(module: nn.Module, prefix: str, caller: str) -> None:
@@ -295,7 +299,8 @@ def fully_shard_moe(
     loaded with `load_sharded` after it keeps its weights), then `fully_shard`s each experts
     module over `"dp"` (gradients divided by `dp * ep`; a submodule inside it that is shared by
     all experts, e.g. a post-expert norm, over `"dp_ep"`), each block of the outermost ModuleList
-    holding experts over `"dp_ep"`, and the root over `"dp_ep"`. A module whose parameters are
+    holding experts over `"dp_ep"` (the last one of each list not resharded after its forward),
+    and the root over `"dp_ep"`. A module whose parameters are
     in another dtype than the rest of its block's (an fp32 router that transformers keeps in a
     bf16 model) is a unit of its own, never cast (`_mixed_dtypes.py`). Afterwards every
     parameter is a DTensor. Returns `model` (now an FSDPModule).
@@ -318,7 +323,7 @@ def fully_shard_moe(
     # lacks: on CPU, sum and then divide instead.
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
-    blocks = _blocks(model)
+    blocks, last_blocks = _blocks(model)
     for module in experts:
         _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
@@ -336,8 +341,13 @@ def fully_shard_moe(
         if sum_only and dp > 1:
             module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
-        split_dtypes(block, names[id(block)], flat_mesh, kwargs)  # fp32 routers of bf16 models
-        fully_shard(block, mesh=flat_mesh, **kwargs)
+        # The last block of a list stays gathered after its forward: backward starts with it
+        # anyway, and a last block whose output reaches the loss only through a cache (an
+        # encoder feeding its decoder's KV cache, diffusion_gemma) is never gathered again in
+        # backward: autograd read its freed weights (a segfault).
+        unit = {**kwargs, "reshard_after_forward": False} if id(block) in last_blocks else kwargs
+        split_dtypes(block, names[id(block)], flat_mesh, unit)  # fp32 routers of bf16 models
+        fully_shard(block, mesh=flat_mesh, **unit)
     split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good

@@ -565,3 +565,84 @@ def test_a_first_forward_under_inference_mode_leaves_the_model_trainable(dp):
         torch.testing.assert_close(r["loss"], loss.detach())
         for name, p in ref.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
+
+
+def test_fp32_experts_family_computes_in_fp32_in_a_bf16_model():
+    """openai_privacy_filter's eager experts run every product in fp32 whatever the model's
+    dtype; the grouped path ran them in bf16 (logits 1.4x and the gate_up bias gradient 10x
+    further from the fp32 model's than eager's). Now bit-equal to eager."""
+    from _hf_families import _shrink
+    from transformers.models.openai_privacy_filter import modeling_openai_privacy_filter as M
+
+    config = _shrink(M.OpenAIPrivacyFilterForTokenClassification.config_class)
+    torch.manual_seed(0)
+    model = M.OpenAIPrivacyFilterForTokenClassification(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "router" in name:
+                p.normal_(0, 0.5)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(3, 64, (2, 9))
+    labels = torch.randint(0, config.num_labels, (2, 9))
+    got = {}
+    for impl in ("eager", "grouped_ep"):
+        model.set_experts_implementation(impl)
+        model.zero_grad()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        got[impl] = (out.logits.detach(), grads)
+    torch.testing.assert_close(got["grouped_ep"][0], got["eager"][0], rtol=0, atol=0)
+    assert got["grouped_ep"][1].keys() == got["eager"][1].keys()
+    for name, g in got["eager"][1].items():
+        torch.testing.assert_close(got["grouped_ep"][1][name], g, rtol=0, atol=0, msg=name)
+
+
+def _diffusion_gemma_rank(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.tensor import DTensor
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as M
+
+    from grouped_ep.parallel import make_mesh
+
+    with torch.device("meta"):
+        model = M.DiffusionGemmaForBlockDiffusion(
+            M.DiffusionGemmaForBlockDiffusion.config_class.from_pretrained(path)
+        )
+    grouped_ep.hf.parallelize(model, make_mesh(1, world))  # reshard_after_forward=True
+    grouped_ep.load_sharded(model, path)
+    g = torch.Generator().manual_seed(rank)
+    ids, dec = torch.randint(3, 64, (2, 6), generator=g), torch.randint(3, 64, (2, 4), generator=g)
+    out = model(input_ids=ids, decoder_input_ids=dec)
+    out.logits.square().mean().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    return {"logits": out.logits.detach(), "grads": grads}
+
+
+def test_parallelize_encoder_that_feeds_the_decoder_through_its_cache(tmp_path):
+    """diffusion_gemma's encoder reaches the loss only through the KV cache it hands the
+    decoder: FSDP2 never gathered its last layer again in backward, and autograd read the freed
+    weights (SIGSEGV on every rank). The last block of each layer list stays gathered."""
+    from _hf_families import _shrink
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as M
+
+    config = _shrink(M.DiffusionGemmaForBlockDiffusion.config_class)
+    torch.manual_seed(0)
+    ref = M.DiffusionGemmaForBlockDiffusion(config)
+    ref.save_pretrained(tmp_path)
+    ref.set_experts_implementation("grouped_ep")
+    got = run_ranks(_diffusion_gemma_rank, 2, str(tmp_path), timeout=150)
+    for rank, r in enumerate(got):
+        g = torch.Generator().manual_seed(rank)
+        ids, dec = (
+            torch.randint(3, 64, (2, 6), generator=g),
+            torch.randint(3, 64, (2, 4), generator=g),
+        )
+        out = ref(input_ids=ids, decoder_input_ids=dec)
+        torch.testing.assert_close(r["logits"], out.logits.detach())
+        (out.logits.square().mean() / 2).backward()  # FSDP averages over the 2 ranks
+    for name, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[0]["grads"][name], p.grad, msg=name)

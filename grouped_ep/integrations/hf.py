@@ -97,6 +97,10 @@ def check_supported(experts: nn.Module) -> None:
         )
 
 
+# Experts classes whose eager forward computes in fp32 whatever the model's dtype.
+_FP32_MATH = frozenset({"OpenAIPrivacyFilterExperts"})
+
+
 def _local(t: Tensor) -> Tensor:
     """This rank's experts of a per-expert bias (a DTensor `Shard(0)` under EP); gradients flow
     back with the same placements."""
@@ -166,14 +170,20 @@ def grouped_ep_experts_forward(
     has_bias = getattr(self, "has_bias", False)
     first = "gate_up_proj" if has_gate else "up_proj"
 
+    # The families whose eager experts run every product in fp32 (their weights cast per call):
+    # the same here, else bf16 models lose precision eager keeps (10x the bias-gradient error).
+    fp32 = any(c.__name__ in _FP32_MATH for c in type(self).__mro__)
+    dtype = torch.float32 if fp32 else getattr(self, first).dtype
+
     def linear(x: Tensor, name: str, offs: Tensor) -> Tensor:
-        y = torch.ops.grouped_ep.gemm(x, getattr(self, name), offs, trans_w)
+        y = torch.ops.grouped_ep.gemm(x, getattr(self, name).to(dtype), offs, trans_w)
         if has_bias:  # per group, outside the op; its gradient flows through the gather
-            y = y + _bias_per_row(_local(getattr(self, f"{name}_bias")), offs, x.shape[0])
+            bias = _local(getattr(self, f"{name}_bias")).to(dtype)
+            y = y + _bias_per_row(bias, offs, x.shape[0])
         return y
 
     def compute(x: Tensor, offs: Tensor) -> Tensor:
-        h = linear(x.to(getattr(self, first).dtype), first, offs)
+        h = linear(x.to(dtype), first, offs)
         h = self._apply_gate(h) if has_gate else self.act_fn(h)
         y = linear(h, "down_proj", offs)
         if getattr(self, "has_post_expert_norm", False):
