@@ -22,10 +22,13 @@ from torch import nn
 def guard_first_forward(root: nn.Module) -> None:
     """Hooks on the root FSDP module `root` (before its own, so that FSDP's gathers run inside)
     that leave inference mode for no_grad around each forward until one has run outside it."""
-    state: dict[str, Any] = {"primed": False, "contexts": []}
+    state: dict[str, Any] = {"primed": False, "contexts": [], "nested": 0}
 
     def pre(module: nn.Module, args: Any) -> None:
-        if state["primed"] or state["contexts"]:
+        if state["contexts"]:  # a forward of the root inside the guarded one
+            state["nested"] += 1
+            return
+        if state["primed"]:
             return
         if not torch.is_inference_mode_enabled():
             state["primed"] = True
@@ -36,6 +39,9 @@ def guard_first_forward(root: nn.Module) -> None:
         state["contexts"] = contexts
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
+        if state["nested"]:
+            state["nested"] -= 1
+            return
         contexts, state["contexts"] = state["contexts"], []
         state["primed"] = state["primed"] or bool(contexts)  # the buffers are normal tensors now
         for c in reversed(contexts):

@@ -646,3 +646,43 @@ def test_parallelize_encoder_that_feeds_the_decoder_through_its_cache(tmp_path):
     for name, p in ref.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(got[0]["grads"][name], p.grad, msg=name)
+
+
+class _Nested(torch.nn.Module):
+    """Calls itself once from inside its forward; records (inference mode, grad mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.inner = False
+        self.modes: list[tuple[bool, bool]] = []
+
+    def forward(self, x):
+        self.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        if not self.inner:
+            self.inner = True
+            self(x)
+            self.inner = False
+        self.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return self.lin(x)
+
+
+def test_inference_mode_guard_nested_forwards_and_errors():
+    from grouped_ep._inference_mode import guard_first_forward
+
+    model = _Nested()
+    guard_first_forward(model)
+    with torch.inference_mode():
+        model(torch.ones(1, 2))
+        assert model.modes == [(False, False)] * 4  # the inner forward left the guard on
+        assert torch.is_inference_mode_enabled()
+        model.modes.clear()
+        model(torch.ones(1, 2))  # primed: inference mode from now on
+        assert model.modes == [(True, False)] * 4
+    broken = _Nested()
+    broken.lin.weight = None
+    guard_first_forward(broken)
+    with torch.inference_mode():
+        with pytest.raises(TypeError):
+            broken(torch.ones(1, 2))
+        assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()  # restored
