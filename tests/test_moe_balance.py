@@ -289,3 +289,64 @@ def test_expert_bias_stays_fp32_when_the_model_is_cast():
     assert moe.expert_bias.dtype == torch.float32
     torch.testing.assert_close(moe.expert_bias, expect, atol=1e-6, rtol=0)
     moe(torch.randn(5, 16, dtype=torch.float64))  # still runs in the model's dtype
+    # load_state_dict(..., assign=True) of a bf16 state dict put a bf16 bias in place.
+    state = {k: v.to(torch.bfloat16) for k, v in moe.state_dict().items()}
+    moe.load_state_dict(state, assign=True)
+    assert moe.expert_bias.dtype == torch.float32
+
+
+def test_layers_of_different_expert_counts_update_together():
+    """torch.stack of [4] and [8] counts raised, after every layer's counts had been cleared: a
+    retry dropped the step's load."""
+    model = torch.nn.Sequential(
+        MoE(16, 8, 4, 2, expert_bias_gamma=1e-2), MoE(16, 8, 8, 2, expert_bias_gamma=1e-2)
+    )
+    model(torch.randn(6, 16)).sum().backward()
+    want = [m.peek_load_counts().clone() for m in model]
+    counts = update_expert_bias(model)
+    assert isinstance(counts, list) and [c.tolist() for c in counts] == [w.tolist() for w in want]
+    for m, load in zip(model, want):
+        load = load.float()
+        torch.testing.assert_close(m.expert_bias, 1e-2 * torch.sign(load.mean() - load))
+        assert m.peek_load_counts().sum() == 0  # cleared once used
+
+
+def test_compiled_moe_reads_a_new_aux_loss_scale_without_recompiling():
+    """The scale was a Python float in the graph: each new value (a GradScaler's every change)
+    recompiled, and after 8 dynamo fell back to eager for good."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    moe = MoE(16, 8, 4, 2, aux_loss_coef=0.1)
+    compiled = torch.compile(moe)
+    x = torch.randn(5, 16)
+    for scale in (1.0, 0.5, 0.25):
+        set_aux_loss_scale(moe, scale)
+        moe.zero_grad()
+        compiled(x).sum().backward()
+        got = moe.router.weight.grad.clone()
+        moe.zero_grad()
+        moe(x).sum().backward()
+        torch.testing.assert_close(got, moe.router.weight.grad, msg=f"scale {scale}")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_bad_sizes_and_inputs_are_named():
+    for kwargs, name in (
+        (dict(num_experts=0), "num_experts"),
+        (dict(num_experts=4.0), "num_experts"),
+        (dict(hidden=0), "hidden"),
+        (dict(intermediate=8.5), "intermediate"),
+    ):
+        args = {"hidden": 16, "intermediate": 8, "num_experts": 4, "top_k": 1} | kwargs
+        with pytest.raises(ValueError, match=f"MoE: {name} must be an int >= 1"):
+            MoE(**args)
+    with pytest.raises(ValueError, match="aux_loss_coef must be finite and >= 0"):
+        MoE(16, 8, 4, 2, aux_loss_coef=None)
+    with pytest.raises(ValueError, match="set_aux_loss_scale: scale"):
+        set_aux_loss_scale(MoE(16, 8, 4, 2), None)
+    moe = MoE(16, 8, 4, 2)
+    for x in (torch.randn(3, 15), torch.randn(3, 16, dtype=torch.float64), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"MoE: x must be \[\.\.\., 16\]"):
+            moe(x)

@@ -239,3 +239,23 @@ def test_in_place_op_on_moe_output_of_an_fsdp_unit(shape):
     for out_of_place, in_place in run_ranks(_in_place_rank, 2, shape, timeout=TIMEOUT):
         for a, b in zip(out_of_place, in_place):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def _local_dispatcher_after_ep(rank: int, world: int) -> str:
+    from grouped_ep.moe import LocalDispatcher
+    from grouped_ep.parallel import apply_expert_parallel, make_mesh
+
+    model = nn.Sequential(MoE(16, 8, 4, 2, dispatcher=LocalDispatcher()))
+    apply_expert_parallel(model, make_mesh(1, world)["ep"])
+    try:
+        model(torch.randn(3, 16))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_explicit_local_dispatcher_after_expert_parallel_is_named():
+    """It stayed after apply_expert_parallel and failed in the GEMM ("offs has length 4 but w
+    has 2 groups"), naming neither the dispatcher nor the fix."""
+    for message in run_ranks(_local_dispatcher_after_ep, 2, timeout=TIMEOUT):
+        assert "dispatcher=LocalDispatcher() runs every expert on this rank" in message, message

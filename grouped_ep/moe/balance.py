@@ -68,19 +68,21 @@ class _AddAuxLossGrad(torch.autograd.Function):
     input returned as it is becomes a view that autograd forbids changing in place.)"""
 
     @staticmethod
-    def forward(ctx, out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
-        ctx.coef = coef
-        ctx.save_for_backward(aux_loss)
+    def forward(ctx, out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
+        ctx.save_for_backward(aux_loss, coef)
         return out.clone()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        return grad_out, torch.full_like(aux_loss, ctx.coef), None
+        aux_loss, coef = ctx.saved_tensors
+        return grad_out, coef.to(aux_loss).expand_as(aux_loss).clone(), None
 
 
-def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: float) -> Tensor:
-    """`out`'s values, whose backward also backpropagates `coef * aux_loss`."""
+def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor | float) -> Tensor:
+    """`out`'s values, whose backward also backpropagates `coef * aux_loss`. `coef` as a 0-d
+    tensor: torch.compile then does not specialize on its value (a recompile per loss scale)."""
+    if not isinstance(coef, Tensor):
+        coef = torch.tensor(float(coef), dtype=torch.float64)
     return _AddAuxLossGrad.apply(out, aux_loss, coef)
 
 
@@ -97,8 +99,8 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     backward it is for. Data-parallel and EP ranks need nothing: FSDP averages the gradients,
     aux terms included.
     """
-    if not scale >= 0 or math.isinf(scale):  # NaN fails the first test
-        raise ValueError(f"set_aux_loss_scale: scale must be finite and >= 0, got {scale}")
+    if not isinstance(scale, (int, float)) or not scale >= 0 or math.isinf(scale):  # NaN too
+        raise ValueError(f"set_aux_loss_scale: scale must be finite and >= 0, got {scale!r}")
     for module in model.modules():
         if hasattr(module, "aux_loss_grad_scale"):
             module.aux_loss_grad_scale = float(scale)
@@ -109,7 +111,9 @@ def _balanced_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor | None:
+def update_expert_bias(
+    model: nn.Module, group: dist.ProcessGroup | None = None
+) -> Tensor | list[Tensor] | None:
     """DeepSeek-V3's bias update for every `MoE` of `model` built with `expert_bias_gamma`.
 
     Call once per optimizer step, on every rank, after `optimizer.step()`. Sums the token counts
@@ -119,16 +123,33 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     rank ends with the same bias.
 
     Returns:
-        `[L, E]` int64 global tokens per expert of the L balanced layers (module order), or None
-        when `model` has none.
+        `[L, E]` int64 global tokens per expert of the L balanced layers (module order); a list
+        of L `[E_l]` tensors where the layers' expert counts differ; None when `model` has no
+        balanced layer. The counts are cleared only once the all-reduce succeeded.
     """
     layers = _balanced_layers(model)
     if not layers:
         return None
-    counts = torch.stack([m.take_load_counts() for m in layers])  # [L, E] int64
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
+    rows = [m.peek_load_counts() for m in layers]
+    counts = join_reduce_split(rows, group)
     for layer, load in zip(layers, counts):
+        layer.take_load_counts()
         load_f = load.to(torch.float32)
         layer.expert_bias.add_(layer.expert_bias_gamma * torch.sign(load_f.mean() - load_f))
-    return counts
+    return stack_if_equal(counts)
+
+
+def join_reduce_split(rows: list[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Each of `rows` summed over the ranks of `group` (one all-reduce of them end to end, so
+    layers of different expert counts go together), as new tensors."""
+    if not rows:
+        return []
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    return list(flat.split([r.numel() for r in rows]))
+
+
+def stack_if_equal(rows: list[Tensor]) -> Tensor | list[Tensor]:
+    """`[L, E]` when every row has E elements, else the rows as they are."""
+    return torch.stack(rows) if len({r.numel() for r in rows}) == 1 else rows

@@ -26,7 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep._validate import is_int
 from grouped_ep.moe.balance import RouterOutput, add_aux_loss_grad, load_balancing_loss
-from grouped_ep.moe.dispatch import Dispatcher, Routing, default_dispatcher, tokens_per_expert
+from grouped_ep.moe.dispatch import (
+    Dispatcher,
+    LocalDispatcher,
+    Routing,
+    default_dispatcher,
+    tokens_per_expert,
+)
 
 __all__ = ["GroupedExperts", "MoE", "route", "swiglu_experts"]
 
@@ -73,11 +79,9 @@ class GroupedExperts(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("hidden", hidden)):
-            if value < 1:
-                raise ValueError(f"GroupedExperts: {name} must be >= 1, got {value}")
-        if intermediate < 1:
-            raise ValueError(f"GroupedExperts: intermediate must be >= 1, got {intermediate}")
+        _check_sizes(
+            "GroupedExperts", num_experts=num_experts, hidden=hidden, intermediate=intermediate
+        )
         self.num_experts = num_experts
         self.hidden = hidden
         self.intermediate = intermediate
@@ -105,6 +109,12 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         ep = "" if self.ep_mesh is None else f", ep={self.ep_mesh.size()}"
         return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}{ep}"
+
+
+def _check_sizes(owner: str, **sizes: object) -> None:
+    for name, value in sizes.items():
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
 
 
 def route(
@@ -203,13 +213,18 @@ class MoE(nn.Module):
         dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
+        _check_sizes("MoE", hidden=hidden, intermediate=intermediate, num_experts=num_experts)
         if not is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
             )
-        if not 0 <= aux_loss_coef < math.inf:  # NaN fails too
-            raise ValueError(f"MoE: aux_loss_coef must be finite and >= 0, got {aux_loss_coef}")
-        if expert_bias_gamma is not None and not 0 < expert_bias_gamma < math.inf:
+        if not isinstance(aux_loss_coef, (int, float)) or not 0 <= aux_loss_coef < math.inf:
+            raise ValueError(
+                f"MoE: aux_loss_coef must be finite and >= 0 (0: off), got {aux_loss_coef!r}"
+            )
+        if expert_bias_gamma is not None and not (
+            isinstance(expert_bias_gamma, (int, float)) and 0 < expert_bias_gamma < math.inf
+        ):
             raise ValueError(
                 f"MoE: expert_bias_gamma must be finite and > 0, or None, got {expert_bias_gamma}"
             )
@@ -217,7 +232,9 @@ class MoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.num_experts = num_experts
         self.aux_loss_coef = float(aux_loss_coef)
-        self.aux_loss_grad_scale = 1.0  # see grouped_ep.moe.set_aux_loss_scale
+        # set_aux_loss_scale's value, a 0-d CPU tensor (not a buffer): torch.compile reads it
+        # at run time instead of recompiling for each value.
+        self._aux_scale = torch.ones((), dtype=torch.float64, device="cpu")
         self.expert_bias_gamma = None if expert_bias_gamma is None else float(expert_bias_gamma)
         self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
@@ -229,6 +246,24 @@ class MoE(nn.Module):
         # Training forwards' tokens per expert since the last bias update. Not a buffer: it is
         # per-rank bookkeeping, never saved, and created where the tokens are.
         self._load_counts: Tensor | None = None
+
+    @property
+    def aux_loss_grad_scale(self) -> float:
+        """The aux-loss gradient's scale (`grouped_ep.moe.set_aux_loss_scale`)."""
+        return float(self._aux_scale)
+
+    @aux_loss_grad_scale.setter
+    def aux_loss_grad_scale(self, scale: float) -> None:
+        self._aux_scale.fill_(float(scale))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # `load_state_dict(..., assign=True)` puts the given tensor in place as it is: a bf16
+        # `expert_bias` would round its gamma steps away. It stays fp32 (as through `.to()`).
+        key = prefix + "expert_bias"
+        bias = state_dict.get(key)
+        if isinstance(bias, torch.Tensor) and bias.is_floating_point():
+            state_dict[key] = bias.to(torch.float32)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # `expert_bias` stays fp32 through `.to(dtype)`, `.bfloat16()`, ...: its steps of gamma
@@ -251,14 +286,19 @@ class MoE(nn.Module):
                 self.expert_bias.zero_()
         self._load_counts = None
 
-    def take_load_counts(self) -> Tensor:
-        """`[E]` int64 tokens per expert routed by training forwards since the last call (zeros
-        when none ran); resets the count. Used by `update_expert_bias`."""
+    def peek_load_counts(self) -> Tensor:
+        """`[E]` int64 tokens per expert routed by training forwards since the last
+        `take_load_counts` (zeros when none ran)."""
         counts = self._load_counts
-        self._load_counts = None
         if counts is None:
             device = self.expert_bias.device if hasattr(self, "expert_bias") else None
             counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return counts
+
+    def take_load_counts(self) -> Tensor:
+        """`peek_load_counts()`, and resets the count. Used by `update_expert_bias`."""
+        counts = self.peek_load_counts()
+        self._load_counts = None
         return counts
 
     def forward(
@@ -266,6 +306,12 @@ class MoE(nn.Module):
     ) -> Tensor | tuple[Tensor, RouterOutput]:
         """x: `[..., H]` -> `[..., H]`, or `(out, RouterOutput)` with `return_router_outputs`."""
         shape = x.shape
+        hidden = self.router.in_features
+        if x.dim() < 1 or shape[-1] != hidden or x.dtype != self.router.weight.dtype:
+            raise ValueError(
+                f"MoE: x must be [..., {hidden}] in the model's dtype "
+                f"{self.router.weight.dtype}, got {list(shape)} {x.dtype}"
+            )
         x = x.reshape(-1, shape[-1])
         bias = getattr(self, "expert_bias", None)
         logits, weights, expert_ids = route(
@@ -281,7 +327,7 @@ class MoE(nn.Module):
             if torch.is_grad_enabled():
                 # On the routing weights, which every output element's gradient passes through
                 # (not on the output, which model code may change in place).
-                coef = self.aux_loss_coef * self.aux_loss_grad_scale
+                coef = self._aux_scale * self.aux_loss_coef  # a new tensor: this forward's
                 weights = add_aux_loss_grad(weights, aux_loss, coef)
             aux_loss = aux_loss.detach()
         routing = Routing(expert_ids, weights, counts)
@@ -296,6 +342,12 @@ class MoE(nn.Module):
         dispatcher = self.dispatcher
         if dispatcher is None:
             dispatcher = default_dispatcher(self.experts.ep_mesh)
+        elif isinstance(dispatcher, LocalDispatcher) and self.experts.ep_mesh is not None:
+            raise ValueError(
+                "MoE: dispatcher=LocalDispatcher() runs every expert on this rank, but the experts "
+                "are EP-sharded (apply_expert_parallel): set dispatcher=None (all-to-all over the "
+                "EP mesh) or pass a dispatcher for EP"
+            )
         local_x, offs, handle = dispatcher.dispatch(x, routing)
         out = dispatcher.combine(self.experts(local_x, offs), handle)
         if out.shape != shape:

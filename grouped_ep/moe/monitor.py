@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from grouped_ep.moe.balance import join_reduce_split, stack_if_equal
 from grouped_ep.moe.layers import in_backward
 
 __all__ = ["ExpertLoadCounter"]
@@ -99,24 +100,29 @@ class ExpertLoadCounter:
 
         return hook
 
-    def local_counts(self) -> Tensor:
-        """`[L, E]` int64 copies per expert from this rank's tokens (zeros for unseen layers)."""
-        rows = []
-        for counts, experts in zip(self._counts, self.num_experts):
-            rows.append(torch.zeros(experts, dtype=torch.int64) if counts is None else counts.cpu())
-        return torch.stack(rows)
+    def _rows(self) -> list[Tensor]:
+        return [
+            torch.zeros(experts, dtype=torch.int64) if counts is None else counts.cpu()
+            for counts, experts in zip(self._counts, self.num_experts)
+        ]
 
-    def global_counts(self, group: dist.ProcessGroup | None = None, device=None) -> Tensor:
-        """`[L, E]` int64 copies per expert summed over the ranks of `group` (default: all).
-        Collective when a process group is initialized: call on every rank. `device`: where the
-        all-reduce runs (the default device of the backend: CPU for gloo, CUDA for NCCL)."""
-        counts = self.local_counts()
+    def local_counts(self) -> Tensor | list[Tensor]:
+        """`[L, E]` int64 copies per expert from this rank's tokens (zeros for unseen layers); a
+        list of L `[E_l]` tensors where the layers' expert counts differ."""
+        return stack_if_equal(self._rows())
+
+    def global_counts(
+        self, group: dist.ProcessGroup | None = None, device=None
+    ) -> Tensor | list[Tensor]:
+        """`local_counts()` summed over the ranks of `group` (default: all). Collective when a
+        process group is initialized: call on every rank. `device`: where the all-reduce runs
+        (the default device of the backend: CPU for gloo, CUDA for NCCL)."""
+        rows = self._rows()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             if device is None and dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
-            counts = counts.to(device) if device is not None else counts
-            dist.all_reduce(counts, group=group)
-        return counts.cpu()
+            rows = [r.to(device) for r in rows] if device is not None else rows
+        return stack_if_equal([r.cpu() for r in join_reduce_split(rows, group)])
 
     def reset(self) -> None:
         """Forget what was counted so far."""
