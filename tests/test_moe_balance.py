@@ -350,3 +350,16 @@ def test_bad_sizes_and_inputs_are_named():
     for x in (torch.randn(3, 15), torch.randn(3, 16, dtype=torch.float64), torch.tensor(1.0)):
         with pytest.raises(ValueError, match=r"MoE: x must be \[\.\.\., 16\]"):
             moe(x)
+    with pytest.raises(ValueError, match=r"expert_ids must be in \[0, num_experts=4\)"):
+        Routing.from_topk(torch.tensor([[0, 4]]), torch.ones(1, 2), 4)
+
+
+def test_moe_compiles_as_one_graph():
+    """No graph break (fullgraph=True raises on one), and the gradients of eager."""
+    moe = MoE(16, 8, 4, 2, aux_loss_coef=0.1, expert_bias_gamma=1e-3)
+    x = torch.randn(5, 16)
+    torch.compile(moe, fullgraph=True)(x).sum().backward()
+    got = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    moe(x).sum().backward()
+    torch.testing.assert_close(got, moe.router.weight.grad)

@@ -69,6 +69,20 @@ class Routing:
                 f"Routing: expert_ids {tuple(expert_ids.shape)} and weights "
                 f"{tuple(weights.shape)} must both be [T, k]"
             )
+        # Checked where it costs no host sync (CPU, not under torch.compile, where reading the
+        # values would break the graph); on CUDA an id out of range fails in the device's own
+        # index check.
+        if (
+            expert_ids.device.type == "cpu"
+            and expert_ids.numel()
+            and not torch.compiler.is_compiling()
+        ):
+            low, high = int(expert_ids.min()), int(expert_ids.max())
+            if low < 0 or high >= num_experts:
+                raise ValueError(
+                    f"Routing: expert_ids must be in [0, num_experts={num_experts}), got ids "
+                    f"from {low} to {high}"
+                )
         return cls(expert_ids, weights, tokens_per_expert(expert_ids, num_experts))
 
     @property
