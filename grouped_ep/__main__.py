@@ -36,6 +36,12 @@ def _inspect(args: argparse.Namespace) -> int:
         return 1
     crc = has_checksums(info.path, manifest)
     checked = crc and not args.no_verify and not info.problems
+    if crc and args.no_verify:  # presence needs no reading: a listed `extra` file that is gone
+        for name, owner in sorted(recorded_files(info.path, manifest.get("save_id"))):
+            if not (info.path / name).is_file():
+                info.problems.append(
+                    f"{info.path / name} is missing (rank {owner}'s checksum table lists it)"
+                )
     if checked:  # reads every data file
         save_id = manifest.get("save_id")
         info.problems += verify_share(info, save_id=save_id)

@@ -1,14 +1,14 @@
 """FSDP2 units that survive a first forward under `torch.inference_mode`.
 
 FSDP2 allocates each parameter's all-gather buffers and unsharded parameter once, in the first
-forward that gathers it, and reuses them in every later one. When that first forward runs under
+gather, and reuses them in every later one. When that first gather runs under
 `torch.inference_mode()` (an evaluation or `generate()` before training, as serving code wraps
 it), they are inference tensors, and every later forward fails for good: "Inference tensors do
 not track version counter" (a one-rank group, e.g. the experts at dp = 1), or "Inplace update to
 inference tensor outside InferenceMode" and "Inference tensors cannot be saved for backward"
-(any group) in the next training step. `guard_first_forward(model)` runs the model's forwards
-under `torch.no_grad()` instead while inference mode is on, until one forward has run outside
-it: the buffers are then normal tensors, and inference mode afterwards reuses them as they are.
+(any group) in the next training step. `guard_first_forward(model)` gathers and reshards every
+unit once, outside inference mode, before the first forward that runs inside it; the forward
+itself then runs as the caller asked (a static KV cache made in inference mode keeps working).
 """
 
 from __future__ import annotations
@@ -17,35 +17,29 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def guard_first_forward(root: nn.Module) -> None:
-    """Hooks on the root FSDP module `root` (before its own, so that FSDP's gathers run inside)
-    that leave inference mode for no_grad around each forward until one has run outside it."""
-    state: dict[str, Any] = {"primed": False, "contexts": [], "nested": 0}
+    """A pre-hook on the root FSDP module `root`, ahead of FSDP's own: before the first forward
+    under inference mode (unless one ran outside it already), every FSDP unit of `root` is
+    gathered once and resharded with inference mode off, so that the buffers FSDP keeps are
+    normal tensors."""
+    state = {"primed": False}
 
     def pre(module: nn.Module, args: Any) -> None:
-        if state["contexts"]:  # a forward of the root inside the guarded one
-            state["nested"] += 1
+        if state["primed"] or not torch.is_inference_mode_enabled():
             return
-        if state["primed"]:
-            return
-        if not torch.is_inference_mode_enabled():
-            state["primed"] = True
-            return
-        contexts = [torch.inference_mode(False), torch.no_grad()]
-        for c in contexts:
-            c.__enter__()
-        state["contexts"] = contexts
+        with torch.inference_mode(False), torch.no_grad():
+            module._get_fsdp_state()._lazy_init()  # what FSDP's root forward does first
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.unshard()
+                    unit.reshard()
+        state["primed"] = True
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if state["nested"]:
-            state["nested"] -= 1
-            return
-        contexts, state["contexts"] = state["contexts"], []
-        state["primed"] = state["primed"] or bool(contexts)  # the buffers are normal tensors now
-        for c in reversed(contexts):
-            c.__exit__(None, None, None)
+        state["primed"] = True  # a forward outside inference mode gathered every unit it uses
 
     root.register_forward_pre_hook(pre, prepend=True)
-    root.register_forward_hook(post, always_call=True)
+    root.register_forward_hook(post)

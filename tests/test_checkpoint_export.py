@@ -242,3 +242,50 @@ def test_export_of_a_compiled_model_writes_the_models_keys(tmp_path: Path) -> No
     _check_export(out)  # logits equal the seed-0 model's
     with pytest.raises(ck.CheckpointError, match="Module has no tensors to export"):
         ck.export_hf(nn.Module(), tmp_path / "empty")
+
+
+def test_a_config_that_fails_to_write_changes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The configs were written after the files were renamed and the earlier index removed: a
+    generation config transformers refuses to save left a directory that loaded as neither
+    model. Now they are written with the weights (a failure changes nothing), and a generation
+    config that fails transformers' strict check is written as the model has it, with a
+    warning (transformers loaded it with one)."""
+    from transformers import GenerationConfig
+
+    from grouped_ep.checkpoint import export as export_module
+
+    out = tmp_path / "hf"
+    model = tiny_qwen3_moe(seed=0)
+    ck.export_hf(model, out, max_shard_size="10KB")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def refuse(model, directory):
+        raise ValueError("refused (injected)")
+
+    monkeypatch.setattr(export_module, "write_hf_configs", refuse)
+    with pytest.raises(ck.CheckpointError, match="refused"):
+        ck.export_hf(tiny_qwen3_moe(seed=1), out, max_shard_size="10KB")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    greedy_with_temperature = GenerationConfig(eos_token_id=2)
+    greedy_with_temperature.temperature = 0.6  # with do_sample=False: strict save refuses it
+    model.generation_config = greedy_with_temperature
+    with pytest.warns(UserWarning, match="fails transformers' check on save"):
+        ck.export_hf(model, out, max_shard_size="10KB")
+    saved = json.loads((out / "generation_config.json").read_text())
+    assert saved["temperature"] == 0.6 and saved["eos_token_id"] == 2
+    assert not list(out.glob(".tmp-*"))
+    _check_export(out)
+
+
+def test_export_of_blocks_compiled_one_by_one(tmp_path: Path) -> None:
+    """state_dict keeps `_orig_mod.` inside a block compiled on its own: those keys were
+    exported as they were, and transformers initialized 22 tensors at random."""
+    model = tiny_qwen3_moe(seed=0)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer)
+    assert any("_orig_mod." in k for k in model.state_dict())
+    ck.export_hf(model, tmp_path / "hf", max_shard_size="10KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if "_orig_mod" in k]
+    _check_export(tmp_path / "hf")

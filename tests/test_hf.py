@@ -537,8 +537,12 @@ def _inference_mode_first(rank: int, world: int, dp: int) -> dict:
     model = tiny_qwen3_moe(seed=0)
     grouped_ep.hf.parallelize(model, make_mesh(dp, world // dp))
     ids = torch.arange(10).view(2, 5)
-    with torch.inference_mode():  # the first forward: FSDP2 allocates its buffers here
+    with torch.inference_mode(), pytest.raises(IndexError):  # a first forward that fails
+        model(ids + 1000)  # token ids past the vocabulary
+    with torch.inference_mode():  # FSDP2 allocates its buffers in the first gather
         first = model(ids).logits.clone()
+        # A static KV cache made in inference mode: its forwards write into it in place.
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
     loss = model(ids, labels=ids).loss  # a training step after it
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -551,7 +555,9 @@ def _inference_mode_first(rank: int, world: int, dp: int) -> dict:
 def test_a_first_forward_under_inference_mode_leaves_the_model_trainable(dp):
     """FSDP2 kept the buffers its first forward allocated: under inference_mode they were
     inference tensors, and every later forward failed ("Inference tensors do not track version
-    counter" at dp = 1; "Inplace update to inference tensor" in the next training step)."""
+    counter" at dp = 1; "Inplace update to inference tensor" in the next training step). Every
+    unit is gathered once outside inference mode before it: also after a first forward that
+    raised, and generate() with a static cache (made in inference mode) still works."""
     from test_checkpoint_dist import tiny_qwen3_moe
 
     got = run_ranks(_inference_mode_first, 2, 1 if dp == 1 else 2, timeout=150)
@@ -648,41 +654,64 @@ def test_parallelize_encoder_that_feeds_the_decoder_through_its_cache(tmp_path):
             torch.testing.assert_close(got[0]["grads"][name], p.grad, msg=name)
 
 
-class _Nested(torch.nn.Module):
-    """Calls itself once from inside its forward; records (inference mode, grad mode)."""
+def _load_after_eval_forward(rank: int, world: int, first: str, second: str) -> torch.Tensor:
+    from test_checkpoint_dist import tiny_qwen3_moe
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 2)
-        self.inner = False
-        self.modes: list[tuple[bool, bool]] = []
+    from grouped_ep.parallel import make_mesh
 
-    def forward(self, x):
-        self.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
-        if not self.inner:
-            self.inner = True
-            self(x)
-            self.inner = False
-        self.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
-        return self.lin(x)
+    with torch.device("meta"):
+        model = tiny_qwen3_moe(seed=0)
+    grouped_ep.hf.parallelize(model, make_mesh(1, world))
+    grouped_ep.load_sharded(model, first)
+    ids = torch.arange(10).view(2, 5)
+    with torch.no_grad():
+        model(ids)  # the root and the last block stay gathered: no backward follows
+    grouped_ep.load_sharded(model, second)
+    with torch.no_grad():
+        return model(ids).logits
 
 
-def test_inference_mode_guard_nested_forwards_and_errors():
-    from grouped_ep._inference_mode import guard_first_forward
+def test_load_sharded_after_an_eval_forward(tmp_path):
+    """load_sharded took the gathered tensors of the units left unsharded by the forward, then
+    transformers' key conversion called state_dict(), which resharded them: the copy went into
+    freed memory (SIGSEGV on every rank)."""
+    from test_checkpoint_dist import tiny_qwen3_moe
 
-    model = _Nested()
-    guard_first_forward(model)
-    with torch.inference_mode():
-        model(torch.ones(1, 2))
-        assert model.modes == [(False, False)] * 4  # the inner forward left the guard on
-        assert torch.is_inference_mode_enabled()
-        model.modes.clear()
-        model(torch.ones(1, 2))  # primed: inference mode from now on
-        assert model.modes == [(True, False)] * 4
-    broken = _Nested()
-    broken.lin.weight = None
-    guard_first_forward(broken)
-    with torch.inference_mode():
-        with pytest.raises(TypeError):
-            broken(torch.ones(1, 2))
-        assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()  # restored
+    tiny_qwen3_moe(seed=0).save_pretrained(tmp_path / "a")
+    want = tiny_qwen3_moe(seed=1)
+    want.save_pretrained(tmp_path / "b")
+    got = run_ranks(
+        _load_after_eval_forward, 2, str(tmp_path / "a"), str(tmp_path / "b"), timeout=150
+    )
+    ids = torch.arange(10).view(2, 5)
+    for logits in got:
+        torch.testing.assert_close(logits, want(ids).logits.detach())
+
+
+def test_key_map_may_name_a_tensor_as_the_wrapped_model_shows_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from test_checkpoint_dist import tiny_qwen3_moe
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ref = tiny_qwen3_moe(seed=0)
+    ref.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["custom.q0"] = tensors.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = tiny_qwen3_moe(seed=1)
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer)
+    )
+    shown = "model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.weight"
+    assert shown in dict(model.named_parameters())
+    report = grouped_ep.load_sharded(model, tmp_path, key_map={shown: "custom.q0"})
+    assert report.missing == [] and report.unused_keys == []
+    torch.testing.assert_close(
+        model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+        ref.model.layers[0].self_attn.q_proj.weight,
+        rtol=0,
+        atol=0,
+    )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from grouped_ep._names import unwrapped_name
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.hf_config import write_hf_configs
@@ -214,6 +216,7 @@ def _plan(model: nn.Module, rank: int, world: int) -> list[_Entry]:
     entries: list[_Entry] = []
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
+        name = unwrapped_name(name)  # a block compiled on its own keeps `_orig_mod.` there
         if id(t) in seen:  # tied weights: written once, as transformers does
             continue
         seen.add(id(t))
@@ -319,6 +322,8 @@ def export_hf(
         for i in range(len(per_rank[rank]))
     ]
 
+    staged = out_dir / f".tmp-configs-{os.getpid()}"  # written with the weights, moved last
+
     # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
     # readable until every rank has written all of its files, and a failed export removes its
     # own temporary files and changes nothing else.
@@ -333,12 +338,15 @@ def export_hf(
         except CheckpointError:
             for name in names:
                 (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)
             raise
 
-    step(
-        f"writing {out_dir}",
-        lambda: _write_rank(model, entries, rank, per_rank[rank], out_dir, names),
-    )
+    def write() -> None:
+        _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
+        if rank == 0:  # its failure (a generation config transformers refuses) changes nothing
+            write_hf_configs(model, staged)
+
+    step(f"writing {out_dir}", write)
     # From here the earlier export must not load as a half-new one: its index goes first, and a
     # single-file `model.safetensors` (which transformers reads before any index). A failed
     # rename is raised on every rank (no rank left waiting in a collective) and leaves neither,
@@ -357,6 +365,8 @@ def export_hf(
         for old in out_dir.iterdir():
             if old.name not in ours and _HF_WEIGHTS.fullmatch(old.name):
                 old.unlink()
+            elif old.name.startswith(".tmp-configs-") and old != staged and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
         weight_map = {}
         for r, files in enumerate(per_rank):
             start = sum(len(f) for f in per_rank[:r])
@@ -365,7 +375,10 @@ def export_hf(
                     weight_map[p.key] = f"model-{start + i + 1:05d}-of-{n_files:05d}.safetensors"
         total = sum(p.nbytes for files in per_rank for f in files for p in f)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_hf_configs(model, out_dir)
+        if staged.is_dir():
+            for config in staged.iterdir():
+                os.replace(config, out_dir / config.name)
+            staged.rmdir()
         write_text_atomic(index_path, json.dumps(index, indent=2) + "\n")
         return index_path
 

@@ -4,6 +4,7 @@ written as transformers' `save_pretrained` writes them for the model as it is no
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,20 @@ def write_hf_configs(model: nn.Module, out_dir: Path) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return
+    out_dir.mkdir(parents=True, exist_ok=True)
     config_for_export(model, config).save_pretrained(str(out_dir))
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
-        generation.save_pretrained(str(out_dir))
+        try:
+            generation.save_pretrained(str(out_dir))
+        except ValueError as e:  # its strict check; transformers loaded it with a warning
+            warnings.warn(
+                f"export_hf: the model's generation config fails transformers' check on save "
+                f"({' '.join(str(e).split())[:300]}); generation_config.json is written as it is",
+                stacklevel=3,
+            )
+            generation.to_json_file(out_dir / "generation_config.json", use_diff=True)
 
 
 def config_for_export(model: nn.Module, config: Any) -> Any:

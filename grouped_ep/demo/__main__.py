@@ -102,9 +102,16 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             )
         try:
             fields = json.loads(config.read_text())
-            experts = num_experts(argparse.Namespace(**fields))
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError) as e:
             ap.error(f"--checkpoint {args.checkpoint}: cannot read {config} ({e})")
+        try:
+            experts = num_experts(argparse.Namespace(**fields))
+        except (ValueError, TypeError):
+            ap.error(
+                f"--checkpoint {args.checkpoint}: {config} names no expert count at its top "
+                "level (num_experts, num_local_experts or n_routed_experts): the demo trains "
+                "a causal LM MoE"
+            )
     if args.ep is not None and (args.ep < 1 or args.world_size % args.ep or experts % args.ep):
         ap.error(
             f"--ep {args.ep} must divide the world size {args.world_size} and the {experts} experts"

@@ -21,11 +21,14 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from grouped_ep._names import unwrapped_name
 from grouped_ep._validate import is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
@@ -110,19 +113,12 @@ def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:
             )
 
 
-# Modules that wrap another without adding tensors; `state_dict` leaves their names out, and so
-# do checkpoints (torch's activation checkpointing and FSDP1 wrappers; torch.compile).
-_WRAPPER_NAMES = re.compile(
-    r"(?:^|(?<=\.))(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\."
-)
-
-
 def _targets(model: nn.Module) -> list[Target]:
     """Parameters and persistent buffers, each distinct tensor once with all its names (as
     `state_dict` names them: no wrapper's component)."""
     by_id: dict[int, Target] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = _WRAPPER_NAMES.sub("", f"{prefix}.") if prefix else ""
+        dot = unwrapped_name(f"{prefix}.") if prefix else ""
         skip = getattr(module, "_non_persistent_buffers_set", set())
         items = [(n, t, True) for n, t in module._parameters.items()]
         items += [(n, t, False) for n, t in module._buffers.items() if n not in skip]
@@ -134,6 +130,27 @@ def _targets(model: nn.Module) -> list[Target]:
                 target.names.append(dot + attr)
             target.slots.append((module, attr))
     return list(by_id.values())
+
+
+def _with_wrapped_names(model: nn.Module, key_map) -> Any:
+    """`key_map` (a callable or mapping), also asked under the name a tensor has inside wrapper
+    modules (`named_parameters()` of a wrapped model) when its own name gives nothing."""
+    wrapped = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if unwrapped_name(name) != name:
+            wrapped[unwrapped_name(name)] = name
+    for name, _ in model.named_buffers(remove_duplicate=False):
+        if unwrapped_name(name) != name:
+            wrapped[unwrapped_name(name)] = name
+    if not wrapped or not (callable(key_map) or isinstance(key_map, Mapping)):
+        return key_map
+    ask = key_map if callable(key_map) else key_map.get
+
+    def lookup(name: str):
+        value = ask(name)
+        return ask(wrapped[name]) if value is None and name in wrapped else value
+
+    return lookup
 
 
 def _swap(target: Target) -> None:
@@ -255,7 +272,14 @@ def load_sharded(
         )
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
+    # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
+    # eval forward) holds plain full tensors that its next state_dict() call frees: shard
+    # every unit first, so that the tensors taken here are the ones that stay.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     targets = _targets(model)
+    key_map = _with_wrapped_names(model, key_map)
     if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
         _check_device(device)
     used: set[str] = set()
