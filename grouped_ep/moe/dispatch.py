@@ -156,6 +156,15 @@ class _AllToAllHandle:
     recv_splits: list[int]
 
 
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """`all_to_all_single` with autograd; under inference mode, where torch 2.11 / 2.12 have no
+    kernel for the autograd op ("Could not run '_c10d_functional_autograd::all_to_all_single'
+    with arguments from the 'CPU' backend"), the plain one."""
+    if torch.is_inference_mode_enabled():
+        return funcol.all_to_all_single(x, out_splits, in_splits, group)
+    return funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+
+
 class AllToAllDispatcher:
     """Expert parallel over the 1-D `ep_mesh`: rank r owns experts `[r*E_l, (r+1)*E_l)`.
 
@@ -191,7 +200,7 @@ class AllToAllDispatcher:
         send_splits, recv_splits = torch.stack(
             [counts.view(world, local).sum(1), recv_counts.sum(1)]
         ).tolist()  # the one host sync of the layer
-        x_recv = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+        x_recv = _all_to_all(x_sorted, recv_splits, send_splits, group)
         # Received rows are ordered (source rank, local expert); the grouped GEMM wants them
         # grouped by local expert. A stable sort on the local expert id keeps the source order.
         local_ids = torch.arange(local, device=counts.device).repeat(world)
@@ -205,9 +214,7 @@ class AllToAllDispatcher:
 
     def combine(self, y: Tensor, handle: _AllToAllHandle) -> Tensor:
         y_recv = y[_inverse_permutation(handle.order)]
-        y_sorted = funcol.all_to_all_single_autograd(
-            y_recv, handle.send_splits, handle.recv_splits, self.group
-        )
+        y_sorted = _all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group)
         return _unpermute(y_sorted, handle.perm)
 
     def __repr__(self) -> str:
