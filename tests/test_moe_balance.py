@@ -363,3 +363,11 @@ def test_moe_compiles_as_one_graph():
     moe.zero_grad()
     moe(x).sum().backward()
     torch.testing.assert_close(got, moe.router.weight.grad)
+
+
+def test_autocast_takes_activations_of_another_dtype():
+    moe = MoE(16, 8, 4, 2).to(torch.bfloat16)
+    x = torch.randn(5, 16)  # fp32 activations into a bf16 layer: autocast casts them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    torch.testing.assert_close(out.float(), moe(x.bfloat16()).float(), rtol=0.02, atol=0.02)

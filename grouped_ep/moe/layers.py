@@ -307,7 +307,8 @@ class MoE(nn.Module):
         """x: `[..., H]` -> `[..., H]`, or `(out, RouterOutput)` with `return_router_outputs`."""
         shape = x.shape
         hidden = self.router.in_features
-        if x.dim() < 1 or shape[-1] != hidden or x.dtype != self.router.weight.dtype:
+        dtype_ok = x.dtype == self.router.weight.dtype or torch.is_autocast_enabled(x.device.type)
+        if x.dim() < 1 or shape[-1] != hidden or not dtype_ok:
             raise ValueError(
                 f"MoE: x must be [..., {hidden}] in the model's dtype "
                 f"{self.router.weight.dtype}, got {list(shape)} {x.dtype}"
