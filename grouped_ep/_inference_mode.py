@@ -22,9 +22,9 @@ from torch.distributed.fsdp import FSDPModule
 
 def guard_first_forward(root: nn.Module) -> None:
     """A pre-hook on the root FSDP module `root`, ahead of FSDP's own: before the first forward
-    under inference mode (unless one ran outside it already), every FSDP unit of `root` is
-    gathered once and resharded with inference mode off, so that the buffers FSDP keeps are
-    normal tensors."""
+    under inference mode, every FSDP unit of `root` is gathered once and resharded with
+    inference mode off, so that the buffers FSDP keeps are normal tensors (also those of units
+    that earlier forwards outside inference mode skipped)."""
     state = {"primed": False}
 
     def pre(module: nn.Module, args: Any) -> None:
@@ -38,8 +38,4 @@ def guard_first_forward(root: nn.Module) -> None:
                     unit.reshard()
         state["primed"] = True
 
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        state["primed"] = True  # a forward outside inference mode gathered every unit it uses
-
     root.register_forward_pre_hook(pre, prepend=True)
-    root.register_forward_hook(post)

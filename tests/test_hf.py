@@ -654,7 +654,9 @@ def test_parallelize_encoder_that_feeds_the_decoder_through_its_cache(tmp_path):
             torch.testing.assert_close(got[0]["grads"][name], p.grad, msg=name)
 
 
-def _load_after_eval_forward(rank: int, world: int, first: str, second: str) -> torch.Tensor:
+def _load_after_eval_forward(
+    rank: int, world: int, first: str, second: str, raises: bool
+) -> torch.Tensor:
     from test_checkpoint_dist import tiny_qwen3_moe
 
     from grouped_ep.parallel import make_mesh
@@ -665,13 +667,21 @@ def _load_after_eval_forward(rank: int, world: int, first: str, second: str) -> 
     grouped_ep.load_sharded(model, first)
     ids = torch.arange(10).view(2, 5)
     with torch.no_grad():
-        model(ids)  # the root and the last block stay gathered: no backward follows
+        if raises:  # a forward that fails in the last block leaves units in FSDP's forward state
+            last = model.model.layers[-1]
+            handle = last.mlp.register_forward_pre_hook(lambda *a: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                model(ids)
+            handle.remove()
+        else:
+            model(ids)  # the root and the last block stay gathered: no backward follows
     grouped_ep.load_sharded(model, second)
     with torch.no_grad():
         return model(ids).logits
 
 
-def test_load_sharded_after_an_eval_forward(tmp_path):
+@pytest.mark.parametrize("raises", [False, True], ids=["eval_forward", "forward_that_raised"])
+def test_load_sharded_after_an_eval_forward(tmp_path, raises):
     """load_sharded took the gathered tensors of the units left unsharded by the forward, then
     transformers' key conversion called state_dict(), which resharded them: the copy went into
     freed memory (SIGSEGV on every rank)."""
@@ -681,7 +691,7 @@ def test_load_sharded_after_an_eval_forward(tmp_path):
     want = tiny_qwen3_moe(seed=1)
     want.save_pretrained(tmp_path / "b")
     got = run_ranks(
-        _load_after_eval_forward, 2, str(tmp_path / "a"), str(tmp_path / "b"), timeout=150
+        _load_after_eval_forward, 2, str(tmp_path / "a"), str(tmp_path / "b"), raises, timeout=150
     )
     ids = torch.arange(10).view(2, 5)
     for logits in got:
@@ -709,9 +719,50 @@ def test_key_map_may_name_a_tensor_as_the_wrapped_model_shows_it(tmp_path):
     assert shown in dict(model.named_parameters())
     report = grouped_ep.load_sharded(model, tmp_path, key_map={shown: "custom.q0"})
     assert report.missing == [] and report.unused_keys == []
+    compiled = torch.compile(tiny_qwen3_moe(seed=1))  # the whole model's wrapper: `_orig_mod.`
+    shown = "_orig_mod.model.layers.0.self_attn.q_proj.weight"
+    report = grouped_ep.load_sharded(compiled, tmp_path, key_map={shown: "custom.q0"})
+    assert report.missing == [] and report.unused_keys == []
     torch.testing.assert_close(
         model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
         ref.model.layers[0].self_attn.q_proj.weight,
         rtol=0,
         atol=0,
     )
+
+
+class _SkippableNet(torch.nn.Module):
+    def __init__(self) -> None:
+        from grouped_ep.moe import MoE
+
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(MoE(16, 32, 4, 2) for _ in range(3))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x, skip=()):
+        h = self.emb(x)
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                h = h + layer(h)
+        return self.head(h)
+
+
+def _skipped_unit_then_inference(rank: int, world: int) -> str:
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    torch.manual_seed(0)
+    net = _SkippableNet()
+    fully_shard_moe(net, make_mesh(1, world))
+    x = torch.randn(4, 8)
+    net(x, skip=(1,)).sum().backward()  # the first training step drops layer 1 (LayerDrop)
+    with torch.inference_mode():
+        net(x)  # an eval that uses it: its first gather
+    net(x).sum().backward()  # training that uses it
+    return "ok"
+
+
+def test_unit_first_gathered_under_inference_mode_after_training():
+    """A forward outside inference mode marked the model primed, though it skipped a unit: the
+    unit's first gather then ran under inference mode, and training failed for good."""
+    assert run_ranks(_skipped_unit_then_inference, 2, timeout=150) == ["ok", "ok"]

@@ -342,7 +342,7 @@ def test_bad_sizes_and_inputs_are_named():
         args = {"hidden": 16, "intermediate": 8, "num_experts": 4, "top_k": 1} | kwargs
         with pytest.raises(ValueError, match=f"MoE: {name} must be an int >= 1"):
             MoE(**args)
-    with pytest.raises(ValueError, match="aux_loss_coef must be finite and >= 0"):
+    with pytest.raises(ValueError, match="aux_loss_coef must be a finite real number >= 0"):
         MoE(16, 8, 4, 2, aux_loss_coef=None)
     with pytest.raises(ValueError, match="set_aux_loss_scale: scale"):
         set_aux_loss_scale(MoE(16, 8, 4, 2), None)
@@ -371,3 +371,14 @@ def test_autocast_takes_activations_of_another_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = moe(x)
     torch.testing.assert_close(out.float(), moe(x.bfloat16()).float(), rtol=0.02, atol=0.02)
+
+
+def test_numpy_scalars_and_one_element_tensors_are_numbers():
+    import numpy as np
+
+    moe = MoE(np.int64(16), 8, np.int32(4), 2, aux_loss_coef=np.float32(0.01))
+    assert moe.aux_loss_coef == pytest.approx(0.01)
+    set_aux_loss_scale(moe, torch.tensor(0.5))
+    assert moe.aux_loss_grad_scale == 0.5
+    set_aux_loss_scale(moe, np.float64(0.25))
+    assert moe.aux_loss_grad_scale == 0.25

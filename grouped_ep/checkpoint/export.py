@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,7 +323,7 @@ def export_hf(
         for i in range(len(per_rank[rank]))
     ]
 
-    staged = out_dir / f".tmp-configs-{os.getpid()}"  # written with the weights, moved last
+    staged = out_dir / f".tmp-configs-{uuid.uuid4().hex}"  # written with the weights, moved last
 
     # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
     # readable until every rank has written all of its files, and a failed export removes its

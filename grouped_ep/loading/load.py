@@ -132,6 +132,25 @@ def _targets(model: nn.Module) -> list[Target]:
     return list(by_id.values())
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Shard every FSDP2 unit of `model` that a forward left gathered (no reshard after its
+    forward: the root, the last block; or a forward that raised, which leaves units in FSDP's
+    forward state, where `reshard()` does nothing). Their gathered tensors are freed by the
+    next `state_dict()` or forward: tensors taken from the model must be the sharded ones."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11: one group
+        if groups is None:
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            group._training_state = TrainingState.IDLE
+        module.reshard()
+
+
 def _with_wrapped_names(model: nn.Module, key_map) -> Any:
     """`key_map` (a callable or mapping), also asked under the name a tensor has inside wrapper
     modules (`named_parameters()` of a wrapped model) when its own name gives nothing."""
@@ -254,6 +273,7 @@ def load_sharded(
         A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
     """
     t0 = time.perf_counter()
+    key_map = _with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # torch.compile's wrapper: the model it compiles
     if threads is None:
@@ -275,11 +295,8 @@ def load_sharded(
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard_all(model)
     targets = _targets(model)
-    key_map = _with_wrapped_names(model, key_map)
     if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
         _check_device(device)
     used: set[str] = set()

@@ -99,11 +99,16 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     backward it is for. Data-parallel and EP ranks need nothing: FSDP averages the gradients,
     aux terms included.
     """
-    if not isinstance(scale, (int, float)) or not scale >= 0 or math.isinf(scale):  # NaN too
-        raise ValueError(f"set_aux_loss_scale: scale must be finite and >= 0, got {scale!r}")
+    from grouped_ep.moe.layers import real_number
+
+    value = real_number(scale)
+    if value is None or not value >= 0 or math.isinf(value):  # NaN fails too
+        raise ValueError(
+            f"set_aux_loss_scale: scale must be a finite real number >= 0, got {scale!r}"
+        )
     for module in model.modules():
         if hasattr(module, "aux_loss_grad_scale"):
-            module.aux_loss_grad_scale = float(scale)
+            module.aux_loss_grad_scale = value
 
 
 def _balanced_layers(model: nn.Module) -> list[nn.Module]:

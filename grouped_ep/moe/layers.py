@@ -16,6 +16,7 @@ DTensor with the same spec.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -112,9 +113,19 @@ class GroupedExperts(nn.Module):
 
 
 def _check_sizes(owner: str, **sizes: object) -> None:
-    for name, value in sizes.items():
-        if not is_int(value) or value < 1:
+    for name, value in sizes.items():  # numpy ints too; not bools
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
+
+
+def real_number(value: object) -> float | None:
+    """`value` as a float if it is a real number (numpy scalars and one-element tensors too,
+    not bools), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
 
 
 def route(
@@ -218,13 +229,15 @@ class MoE(nn.Module):
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
             )
-        if not isinstance(aux_loss_coef, (int, float)) or not 0 <= aux_loss_coef < math.inf:
+        coef = real_number(aux_loss_coef)
+        if coef is None or not 0 <= coef < math.inf:  # NaN fails too
             raise ValueError(
-                f"MoE: aux_loss_coef must be finite and >= 0 (0: off), got {aux_loss_coef!r}"
+                "MoE: aux_loss_coef must be a finite real number >= 0 (0: off), got "
+                f"{aux_loss_coef!r}"
             )
-        if expert_bias_gamma is not None and not (
-            isinstance(expert_bias_gamma, (int, float)) and 0 < expert_bias_gamma < math.inf
-        ):
+        aux_loss_coef = coef
+        gamma = real_number(expert_bias_gamma)
+        if expert_bias_gamma is not None and (gamma is None or not 0 < gamma < math.inf):
             raise ValueError(
                 f"MoE: expert_bias_gamma must be finite and > 0, or None, got {expert_bias_gamma}"
             )
@@ -235,7 +248,7 @@ class MoE(nn.Module):
         # set_aux_loss_scale's value, a 0-d CPU tensor (not a buffer): torch.compile reads it
         # at run time instead of recompiling for each value.
         self._aux_scale = torch.ones((), dtype=torch.float64, device="cpu")
-        self.expert_bias_gamma = None if expert_bias_gamma is None else float(expert_bias_gamma)
+        self.expert_bias_gamma = gamma
         self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         self.experts = GroupedExperts(num_experts, hidden, intermediate, dtype=dtype, device=device)
