@@ -20,6 +20,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from grouped_ep.checkpoint import CheckpointError, describe
     from grouped_ep.checkpoint.checksum import (
         has_checksums,
+        missing_file,
         read_manifest,
         recorded_files,
         verify_file,
@@ -36,26 +37,18 @@ def _inspect(args: argparse.Namespace) -> int:
         return 1
     crc = has_checksums(info.path, manifest)
     checked = crc and not args.no_verify and not info.problems
-    if crc and args.no_verify:  # presence needs no reading: a listed `extra` file that is gone
-        for name, owner in sorted(recorded_files(info.path, manifest.get("save_id"))):
-            if not (info.path / name).is_file():
-                info.problems.append(
-                    f"{info.path / name} is missing (rank {owner}'s checksum table lists it)"
-                )
+    save_id = manifest.get("save_id")
+    listed = recorded_files(info.path, save_id)  # each rank's `extra`, as its table lists it
     if checked:  # reads every data file
-        save_id = manifest.get("save_id")
         info.problems += verify_share(info, save_id=save_id)
-        # Each rank's `extra`: the files there, and those the tables list (a missing one fails
-        # `load` on its rank).
-        extras = recorded_files(info.path, save_id)
+        extras = set(listed)  # and the ones there, listed or not
         for extra in info.path.glob("extra-rank*.pt"):
             owner = extra.stem.removeprefix("extra-rank")
             if owner.isdigit():
                 extras.add((extra.name, int(owner)))
-        for name, owner in sorted(extras):
-            problem = verify_file(info.path, name, owner, save_id)
-            if problem:
-                info.problems.append(problem)
+        info.problems += filter(None, (verify_file(info.path, *e, save_id) for e in sorted(extras)))
+    elif crc and args.no_verify:  # presence needs no reading: a listed file that is gone
+        info.problems += filter(None, (missing_file(info.path, *e) for e in sorted(listed)))
     print(format_report(info, chunks=not args.summary))
     if checked and not info.problems:
         print("OK: every chunk's bytes match the CRC32C saved with them")

@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import numbers
+
+import torch
+
 
 def is_int(value: object) -> bool:
     """An int, and not a bool (True is an int to Python: `step=True` must not mean step 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sizes(owner: str, **sizes: object) -> None:
+    """ValueError naming the first of `sizes` that is not an int >= 1 (numpy ints count; bools
+    do not)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
+
+
+def real_number(value: object) -> float | None:
+    """`value` as a float if it is a real number (numpy scalars and one-element tensors too,
+    not bools), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)

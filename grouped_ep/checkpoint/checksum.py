@@ -179,6 +179,13 @@ def recorded_files(ckpt: Path, save_id: str | None) -> set[tuple[str, int]]:
     return out
 
 
+def missing_file(ckpt: Path, name: str, owner: int) -> str | None:
+    """What is wrong if file `name`, which rank `owner`'s table lists, is not in `ckpt`."""
+    if (ckpt / name).is_file():
+        return None
+    return f"{ckpt / name} is missing (rank {owner}'s checksum table lists it)"
+
+
 def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str | None:
     """What is wrong with file `name` of `ckpt` (an `extra-rank<r>.pt`) against the
     `[length, CRC32C]` in rank `owner`'s table, or None. Checkpoints saved before these files
@@ -190,8 +197,9 @@ def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str |
         return f"{problem}; it holds the checksum of {name}"
     if not (isinstance(want, list) and len(want) == 2):
         return f"{ckpt / f'__{owner}_{SUFFIX}'}: no checksum for {name}"
-    if not (ckpt / name).is_file():
-        return f"{ckpt / name} is missing (rank {owner}'s checksum table lists it)"
+    missing = missing_file(ckpt, name, owner)
+    if missing is not None:
+        return missing
     try:
         got = file_crc(ckpt / name)
     except (OSError, RuntimeError) as e:

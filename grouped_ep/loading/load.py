@@ -21,6 +21,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -154,13 +155,10 @@ def reshard_all(model: nn.Module) -> None:
 def _with_wrapped_names(model: nn.Module, key_map) -> Any:
     """`key_map` (a callable or mapping), also asked under the name a tensor has inside wrapper
     modules (`named_parameters()` of a wrapped model) when its own name gives nothing."""
-    wrapped = {}
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        if unwrapped_name(name) != name:
-            wrapped[unwrapped_name(name)] = name
-    for name, _ in model.named_buffers(remove_duplicate=False):
-        if unwrapped_name(name) != name:
-            wrapped[unwrapped_name(name)] = name
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    wrapped = {unwrapped_name(n): n for n, _ in named if unwrapped_name(n) != n}
     if not wrapped or not (callable(key_map) or isinstance(key_map, Mapping)):
         return key_map
     ask = key_map if callable(key_map) else key_map.get

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from grouped_ep._validate import real_number
+
 __all__ = ["RouterOutput", "load_balancing_loss", "set_aux_loss_scale", "update_expert_bias"]
 
 
@@ -78,11 +80,9 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad_out, coef.to(aux_loss).expand_as(aux_loss).clone(), None
 
 
-def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor | float) -> Tensor:
-    """`out`'s values, whose backward also backpropagates `coef * aux_loss`. `coef` as a 0-d
+def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
+    """`out`'s values, whose backward also backpropagates `coef * aux_loss`. `coef` is a 0-d
     tensor: torch.compile then does not specialize on its value (a recompile per loss scale)."""
-    if not isinstance(coef, Tensor):
-        coef = torch.tensor(float(coef), dtype=torch.float64)
     return _AddAuxLossGrad.apply(out, aux_loss, coef)
 
 
@@ -99,8 +99,6 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     backward it is for. Data-parallel and EP ranks need nothing: FSDP averages the gradients,
     aux terms included.
     """
-    from grouped_ep.moe.layers import real_number
-
     value = real_number(scale)
     if value is None or not value >= 0 or math.isinf(value):  # NaN fails too
         raise ValueError(

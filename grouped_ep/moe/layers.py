@@ -16,7 +16,6 @@ DTensor with the same spec.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
-from grouped_ep._validate import is_int
+from grouped_ep._validate import check_sizes, is_int, real_number
 from grouped_ep.moe.balance import RouterOutput, add_aux_loss_grad, load_balancing_loss
 from grouped_ep.moe.dispatch import (
     Dispatcher,
@@ -80,7 +79,7 @@ class GroupedExperts(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        _check_sizes(
+        check_sizes(
             "GroupedExperts", num_experts=num_experts, hidden=hidden, intermediate=intermediate
         )
         self.num_experts = num_experts
@@ -110,22 +109,6 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         ep = "" if self.ep_mesh is None else f", ep={self.ep_mesh.size()}"
         return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}{ep}"
-
-
-def _check_sizes(owner: str, **sizes: object) -> None:
-    for name, value in sizes.items():  # numpy ints too; not bools
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
-
-
-def real_number(value: object) -> float | None:
-    """`value` as a float if it is a real number (numpy scalars and one-element tensors too,
-    not bools), else None."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
 
 
 def route(
@@ -224,7 +207,7 @@ class MoE(nn.Module):
         dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
-        _check_sizes("MoE", hidden=hidden, intermediate=intermediate, num_experts=num_experts)
+        check_sizes("MoE", hidden=hidden, intermediate=intermediate, num_experts=num_experts)
         if not is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
@@ -235,7 +218,6 @@ class MoE(nn.Module):
                 "MoE: aux_loss_coef must be a finite real number >= 0 (0: off), got "
                 f"{aux_loss_coef!r}"
             )
-        aux_loss_coef = coef
         gamma = real_number(expert_bias_gamma)
         if expert_bias_gamma is not None and (gamma is None or not 0 < gamma < math.inf):
             raise ValueError(
@@ -244,7 +226,7 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.num_experts = num_experts
-        self.aux_loss_coef = float(aux_loss_coef)
+        self.aux_loss_coef = coef
         # set_aux_loss_scale's value, a 0-d CPU tensor (not a buffer): torch.compile reads it
         # at run time instead of recompiling for each value.
         self._aux_scale = torch.ones((), dtype=torch.float64, device="cpu")
