@@ -177,10 +177,18 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "suites": {},
     }
+    if args.device.startswith("cuda"):
+        import grouped_ep
+
+        # GROUPED_EP_BACKEND (or auto): which CUDA kernels the grouped_ep rows ran.
+        report["gemm_backend_requested"] = grouped_ep.backend.get_backend()
+        report["device"] = (
+            f"{name}; grouped_ep backend requested: {grouped_ep.backend.get_backend()}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.out / f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
     md = [
-        f"# grouped_ep benchmarks\n\ndevice: {name}; torch {torch.__version__}; "
+        f"# grouped_ep benchmarks\n\ndevice: {report['device']}; torch {torch.__version__}; "
         f"CPU capability: {report['cpu_capability']}; "
         f"date: {report['date']}; quick: {args.quick}\n"
     ]

@@ -102,6 +102,17 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
         "max_group": max(sizes),
         "empty_groups": sum(1 for s in sizes if s == 0),
     }
+    if device.startswith("cuda"):
+        # The backend grouped_ep ran (GROUPED_EP_BACKEND picks it), and a check that it computed
+        # the same product as the per-expert loop of torch.mm: max |ours - loop| / max |loop|.
+        row["backend"] = grouped_ep.backend.backend_for(dtype, case.k, case.n)[0]
+        impls = _impls(offs, sizes, case.trans_w)
+        with torch.no_grad():
+            ref = impls["loop"](x, w).float()
+            row["rel_err_vs_loop"] = float(
+                (impls["grouped_ep"](x, w).float() - ref).abs().max() / ref.abs().max()
+            )
+        del ref
     gflops = {}
     # A baseline with no fast kernel on this CPU (fp16 matmul without AVX512-FP16/AMX) can take
     # minutes per call: time it fewer times rather than not at all.

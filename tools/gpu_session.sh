@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine is for, in one call that fits a short lease: build the
+# extension for the GPU, run every GPU test (compute-sanitizer included), the self-check and
+# the CUDA benchmarks. Steps run in priority order under one time budget; a step that would
+# pass the budget is cut short (benches with SIGINT, so they write the rows they finished).
+#
+#   bash tools/gpu_session.sh [budget_seconds]     # default 560
+#
+# Logs and bench results go to $OUT (default /tmp/gpu_session): results.tgz (every log, the
+# junit XML, bench/results files) and summary.txt. Needs the CUTLASS headers in
+# third_party/cutlass (make cutlass), python3 with torch (CUDA build), pytest, transformers.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_session}
+BUDGET=${1:-560}
+WORK=/tmp/gpu_session_work
+rm -rf "$WORK" && mkdir -p "$WORK/bench" "$OUT"
+PY=${PYTHON:-python3}
+T0=$SECONDS
+SUMMARY=$WORK/summary.txt
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME MAX_SECONDS SIGNAL CMD...: runs CMD with its output in $WORK/NAME.log.
+step() {
+  local name=$1 max=$2 sig=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - T0) - 20))
+  if ((left < 20)); then
+    say "== $name: skipped, budget spent"
+    return 99
+  fi
+  ((max > left)) && max=$left
+  say "== $name (at most ${max}s, started at +$((SECONDS - T0))s)"
+  local s=$SECONDS rc
+  timeout -s "$sig" -k 20 "$max" "$@" >"$WORK/$name.log" 2>&1
+  rc=$?
+  say "== $name: exit $rc after $((SECONDS - s))s"
+  tail -n "${TAIL_LINES:-15}" "$WORK/$name.log"
+  return $rc
+}
+
+pack() {
+  cp "$SUMMARY" "$OUT/summary.txt"
+  tar czf "$OUT/results.tgz" -C "$WORK" .
+  # The built extension, for a later call that carries it instead of building again.
+  for so in grouped_ep/_C*.so; do [ -f "$so" ] && gzip -1 -c "$so" >"$OUT/$(basename "$so").gz"; done
+}
+trap pack EXIT
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+  nvcc --version | tail -2
+  command -v compute-sanitizer
+  nproc
+} 2>&1 | tee -a "$SUMMARY"
+
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+TAIL_LINES=30 step build 300 TERM $PY setup.py build_ext --inplace || {
+  say "build failed: nothing else can run"
+  exit 1
+}
+
+step info 60 TERM $PY -c "import grouped_ep; print(grouped_ep.backend_info())"
+TAIL_LINES=40 step check 90 TERM $PY -m grouped_ep check
+
+TESTS=(
+  tests/test_gemm_cuda.py tests/test_gemm_cuda_sanitizer.py tests/test_backend.py
+  tests/test_loader.py::test_meta_model_onto_cuda
+  tests/test_loader_quant.py::test_cuda_destination_equals_transformers
+  tests/test_nn.py::test_moe_without_ep_never_syncs_the_host_on_cuda
+)
+TAIL_LINES=40 step tests 280 TERM $PY -m pytest -v -n 8 --dist loadgroup -p no:cacheprovider --timeout 150 \
+  --junitxml="$WORK/gpu-tests.xml" "${TESTS[@]}"
+
+# CUTLASS for every grouped_ep row (bf16 and fp16); torch._grouped_mm is a column of each row.
+GROUPED_EP_BACKEND=cutlass TAIL_LINES=60 step bench_gemm_cutlass 170 INT \
+  $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
+TAIL_LINES=20 step bench_moe 90 INT $PY bench/run.py --suite moe --quick --out "$WORK/bench"
+say "== done at +$((SECONDS - T0))s"
