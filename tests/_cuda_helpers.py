@@ -149,6 +149,8 @@ def poisoned_pool(device: torch.device | str) -> Iterator[list[tuple[int, int]]]
     check that an output really came from them.
     """
     device = torch.device(device)
+    if device.index is None:  # torch 2.11's use_mem_pool refuses a device without an index
+        device = torch.device("cuda", torch.cuda.current_device())
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool, device=device):
         mib = 1 << 20

@@ -115,9 +115,11 @@ def write_fp8(
     seed=0,
     dtype=torch.bfloat16,
     qc="default",
+    reference=True,
 ):
     """A DeepSeek-V3-style checkpoint: fp8 weights with `weight_scale_inv` per block, per-expert
-    keys; router and norms in bf16. Returns {model name: transformers' dequantized tensor}."""
+    keys; router and norms in bf16. Returns {model name: transformers' dequantized tensor}
+    (empty with reference=False, which needs no transformers), tensors."""
     g = torch.Generator().manual_seed(seed)
     tensors, want = {}, {}
 
@@ -128,7 +130,7 @@ def write_fp8(
         else:
             s = s.to(scale_dtype)
         tensors[key], tensors[key[: -len("weight")] + "weight_scale_inv"] = q, s
-        return ref_fp8(q, s, block, dtype)
+        return ref_fp8(q, s, block, dtype) if reference else q.float()
 
     for layer in range(layers):
         p = f"model.layers.{layer}"
@@ -160,12 +162,15 @@ def write_fp8(
             "activation_scheme": "dynamic",
         }
     _save(directory, tensors, qc)
-    return want, tensors
+    return (want if reference else {}), tensors
 
 
-def write_mxfp4(directory: Path, e=4, h=96, i=64, r=50, layers=1, seed=0, dtype=torch.bfloat16):
+def write_mxfp4(
+    directory: Path, e=4, h=96, i=64, r=50, layers=1, seed=0, dtype=torch.bfloat16, reference=True
+):
     """A gpt-oss-style checkpoint: experts as `{proj}_blocks` / `{proj}_scales` (MXFP4) with bf16
-    biases, attention and router in bf16. Returns {model name: dequantized tensor}, tensors."""
+    biases, attention and router in bf16. Returns {model name: dequantized tensor} (empty with
+    reference=False), tensors."""
     g = torch.Generator().manual_seed(seed)
     tensors, want = {}, {}
     for layer in range(layers):
@@ -183,7 +188,8 @@ def write_mxfp4(directory: Path, e=4, h=96, i=64, r=50, layers=1, seed=0, dtype=
             blocks, scales = quantize_mxfp4(torch.randn(*shape, generator=g))
             key = f"{p}.mlp.experts.{proj}"
             tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
-            want[key] = ref_mxfp4(blocks, scales, dtype)
+            if reference:
+                want[key] = ref_mxfp4(blocks, scales, dtype)
     qc = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [
@@ -196,7 +202,7 @@ def write_mxfp4(directory: Path, e=4, h=96, i=64, r=50, layers=1, seed=0, dtype=
     _save(directory, tensors, qc)
     for k in [k for k in want if k.endswith("_bias")]:
         del want[k]  # GroupedExperts has no expert biases yet: those keys stay unused
-    return want, tensors
+    return (want if reference else {}), tensors
 
 
 def meta_model(kind: str, dtype=torch.bfloat16, **shape) -> TinyMoE:

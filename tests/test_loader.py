@@ -620,6 +620,7 @@ def test_meta_model_onto_cuda(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(loader_read, "_STAGING_BYTES", 256)
     with torch.device("meta"):
         model = _fused_model().to(dtype)
+    del model.m.scratch  # a meta buffer no checkpoint holds: its own error (tested elsewhere)
     load_sharded(model, tmp_path, device="cuda")
     for k, v in state.items():
         got = _state(model)[k]

@@ -5,6 +5,10 @@
 # pass the budget is cut short (benches with SIGINT, so they write the rows they finished).
 #
 #   bash tools/gpu_session.sh [budget_seconds]     # default 560
+#   STEPS="tests bench_gemm_torch" bash tools/gpu_session.sh 300   # only these steps
+#
+# A gzipped extension from an earlier call's $OUT (carried as gpu_prebuilt/_C*.so.gz) is used
+# instead of building again: same sources, same machine image.
 #
 # Logs and bench results go to $OUT (default /tmp/gpu_session): results.tgz (every log, the
 # junit XML, bench/results files) and summary.txt. Needs the CUTLASS headers in
@@ -57,26 +61,37 @@ trap pack EXIT
   nproc
 } 2>&1 | tee -a "$SUMMARY"
 
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
-TAIL_LINES=30 step build 300 TERM $PY setup.py build_ext --inplace || {
-  say "build failed: nothing else can run"
-  exit 1
-}
+STEPS=${STEPS:-build info check tests bench_gemm_cutlass bench_moe}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-step info 60 TERM $PY -c "import grouped_ep; print(grouped_ep.backend_info())"
-TAIL_LINES=40 step check 90 TERM $PY -m grouped_ep check
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+if compgen -G "gpu_prebuilt/_C*.so.gz" >/dev/null; then
+  for gz in gpu_prebuilt/_C*.so.gz; do gunzip -c "$gz" >"grouped_ep/$(basename "$gz" .gz)"; done
+  say "== build: using the carried $(ls gpu_prebuilt)"
+elif want build; then
+  TAIL_LINES=30 step build 300 TERM $PY setup.py build_ext --inplace || {
+    say "build failed: nothing else can run"
+    exit 1
+  }
+fi
+
+want info && step info 60 TERM $PY -c "import grouped_ep; print(grouped_ep.backend_info())"
+want check && TAIL_LINES=40 step check 90 TERM $PY -m grouped_ep check
 
 TESTS=(
   tests/test_gemm_cuda.py tests/test_gemm_cuda_sanitizer.py tests/test_backend.py
   tests/test_loader.py::test_meta_model_onto_cuda
-  tests/test_loader_quant.py::test_cuda_destination_equals_transformers
+  tests/test_loader_quant.py::test_cuda_destination_equals_cpu_destination
   tests/test_nn.py::test_moe_without_ep_never_syncs_the_host_on_cuda
 )
-TAIL_LINES=40 step tests 280 TERM $PY -m pytest -v -n 8 --dist loadgroup -p no:cacheprovider --timeout 150 \
+want tests && TAIL_LINES=40 step tests 280 TERM $PY -m pytest -v -n 8 --dist loadgroup -p no:cacheprovider --timeout 150 \
   --junitxml="$WORK/gpu-tests.xml" "${TESTS[@]}"
 
 # CUTLASS for every grouped_ep row (bf16 and fp16); torch._grouped_mm is a column of each row.
-GROUPED_EP_BACKEND=cutlass TAIL_LINES=60 step bench_gemm_cutlass 170 INT \
-  $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
-TAIL_LINES=20 step bench_moe 90 INT $PY bench/run.py --suite moe --quick --out "$WORK/bench"
+want bench_gemm_cutlass && GROUPED_EP_BACKEND=cutlass TAIL_LINES=60 step bench_gemm_cutlass \
+  170 INT $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
+# The default policy's bf16 path (torch._grouped_mm inside grouped_ep's guarantees).
+want bench_gemm_torch && GROUPED_EP_BACKEND=torch TAIL_LINES=30 step bench_gemm_torch \
+  170 INT $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
+want bench_moe && TAIL_LINES=20 step bench_moe 90 INT $PY bench/run.py --suite moe --quick --out "$WORK/bench"
 say "== done at +$((SECONDS - T0))s"
