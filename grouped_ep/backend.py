@@ -10,8 +10,10 @@ Backends (CUDA; on CPU the C++ kernels always run):
   of 8.
 - ``fallback``: tiled kernels for any dtype, shape and device (PTX, so newer GPUs JIT them).
 
-Default (``auto``): ``torch`` where it runs the case, else ``fallback``. ``cutlass`` becomes a
-default on an architecture only once the GPU tests have passed there (none so far).
+Default (``auto``): ``torch`` where it runs the case, else ``cutlass`` on architectures where
+the GPU tests have passed (compute capability 9.0: H100 / H200, since 2026-11-26), else
+``fallback``. So on Hopper bf16 runs torch's kernel and fp16 runs CUTLASS; fp32 and K or N not
+a multiple of 8 run the fallback.
 ``GROUPED_EP_BACKEND=cutlass|torch|fallback|auto`` (read when grouped_ep is imported) and
 :func:`set_backend` override the default; a case the requested backend cannot run still takes
 the fallback, and :func:`backend_for` / :func:`backend_info` say so, with the reason.

@@ -27,6 +27,7 @@ _SCRIPT = textwrap.dedent(
     import torch, grouped_ep
     dev = "cuda"
     for backend in ("cutlass", "torch", "fallback"):
+        print(f"== backend {backend}", flush=True)  # between the sanitizer's reports
         grouped_ep.set_backend(backend)
         for dtype, k, n in [(torch.bfloat16, 64, 32), (torch.float16, 16, 8),
                             (torch.bfloat16, 136, 264), (torch.float32, 24, 16),
@@ -62,8 +63,23 @@ def _sanitizer() -> str:
     return exe
 
 
+# initcheck, on an H200 (2026-11-26): 118,942 reports of a 4-byte "uninitialized global read" by
+# the consumer warp groups of the CUTLASS sm90 pointer-array kernel, each warp reading 32
+# consecutive words: a 128-byte TMA descriptor. torch._grouped_mm's own CUTLASS kernel gives the
+# same reports (bench/results/nvidia-h200-20261126-gpu-session.md). Every output was right
+# (NaN-poisoned outputs, 367 GPU tests) and memcheck, racecheck and synccheck were clean. Strict:
+# a run where initcheck comes out clean fails here, so the mark is taken off then.
+INITCHECK = pytest.param(
+    "initcheck",
+    marks=pytest.mark.xfail(
+        strict=True,
+        reason="initcheck flags the tensormap reads of CUTLASS sm90 ptr-array kernels (torch's too)",
+    ),
+)
+
+
 @pytest.mark.timeout(500)  # with pytest-timeout (GPU runs): instrumented runs are slow
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", INITCHECK])
 def test_compute_sanitizer_clean(tool):
     # Without the caching allocator every tensor is its own cudaMalloc, so memcheck sees any
     # access past a tensor's end (inside a cached block it could not), and initcheck sees reads
