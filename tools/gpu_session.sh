@@ -5,7 +5,8 @@
 # pass the budget is cut short (benches with SIGINT, so they write the rows they finished).
 #
 #   bash tools/gpu_session.sh [budget_seconds]     # default 560
-#   STEPS="tests bench_gemm_torch" bash tools/gpu_session.sh 300   # only these steps
+#   STEPS="tests bench_gemm_auto" bash tools/gpu_session.sh 300   # only these steps
+#   (steps: build info check tests bench_gemm_cutlass bench_gemm_auto bench_gemm_torch bench_moe)
 #
 # A gzipped extension from an earlier call's $OUT (carried as gpu_prebuilt/_C*.so.gz) is used
 # instead of building again: same sources, same machine image.
@@ -90,7 +91,10 @@ want tests && TAIL_LINES=40 step tests 280 TERM $PY -m pytest -v -n 8 --dist loa
 # CUTLASS for every grouped_ep row (bf16 and fp16); torch._grouped_mm is a column of each row.
 want bench_gemm_cutlass && GROUPED_EP_BACKEND=cutlass TAIL_LINES=60 step bench_gemm_cutlass \
   170 INT $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
-# The default policy's bf16 path (torch._grouped_mm inside grouped_ep's guarantees).
+# What users get by default (auto: on Hopper, torch for bf16 and CUTLASS for fp16).
+want bench_gemm_auto && GROUPED_EP_BACKEND=auto TAIL_LINES=30 step bench_gemm_auto \
+  170 INT $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
+# torch._grouped_mm inside grouped_ep's guarantees, every dtype (fp16 then takes the fallback).
 want bench_gemm_torch && GROUPED_EP_BACKEND=torch TAIL_LINES=30 step bench_gemm_torch \
   170 INT $PY bench/run.py --suite gemm --quick --out "$WORK/bench"
 want bench_moe && TAIL_LINES=20 step bench_moe 90 INT $PY bench/run.py --suite moe --quick --out "$WORK/bench"
