@@ -161,8 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             plot(suite, data["rows"], png, f"{data['title']} — {saved['device']}")
             print(f"wrote {png}")
         return 0
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is visible")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device is visible")
+        index = torch.device(args.device).index
+        if index is not None:
+            if index >= torch.cuda.device_count():
+                ap.error(f"--device {args.device}: {torch.cuda.device_count()} CUDA device(s)")
+            # The timing events, the device name and the backend query use the current device.
+            torch.cuda.set_device(index)
 
     suites = SUITES if args.suite == "all" else [args.suite]
     name = device_name(args.device)

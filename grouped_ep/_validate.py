@@ -28,3 +28,15 @@ def real_number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """`device` as tensors placed there report it: a CUDA device with its index (the current
+    device when none is given), a CPU device without one. `torch.device("cuda")` does not equal
+    a tensor's `cuda:0`, nor `cpu:0` a tensor's `cpu`."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" and device.index is not None:
+        return torch.device("cpu")
+    return device

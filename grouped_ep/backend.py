@@ -11,7 +11,8 @@ Backends (CUDA; on CPU the C++ kernels always run):
 - ``fallback``: tiled kernels for any dtype, shape and device (PTX, so newer GPUs JIT them).
 
 Default (``auto``): ``torch`` where it runs the case, else ``cutlass`` on architectures where
-the GPU tests have passed (compute capability 9.0: H100 / H200, since 2026-11-26), else
+the GPU tests have passed (compute capability 9.0 with the sm90a kernels: H100 / H200, since
+2026-11-26; a build without the ``9.0a`` arch would run the untested sm80 ones there), else
 ``fallback``. So on Hopper bf16 runs torch's kernel and fp16 runs CUTLASS; fp32 and K or N not
 a multiple of 8 run the fallback.
 ``GROUPED_EP_BACKEND=cutlass|torch|fallback|auto`` (read when grouped_ep is imported) and

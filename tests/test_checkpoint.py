@@ -593,3 +593,21 @@ def test_direct_reader_falls_back_where_meta_loading_fails(tmp_path: Path, monke
     dcp.load(dest, storage_reader=direct_reader.DirectReader(str(tmp_path)), no_dist=True)
     assert seen == [("w", False)]
     assert torch.equal(dest["w"], saved["w"])
+
+
+def test_extra_saved_from_a_gpu_loads_without_it(tmp_path: Path, monkeypatch) -> None:
+    """A tensor in `extra` saved from cuda:7 (its location recorded as torch records one there)
+    loads on a machine without that GPU: on this rank's current GPU, or on CPU where there is
+    none. CPU tensors (RNG states) stay on CPU. Before, torch.load asked for cuda:7 and failed."""
+    import torch.serialization as ser
+
+    model = torch.nn.Linear(4, 4)
+    rng = torch.get_rng_state()
+    real_tag = ser.location_tag
+    monkeypatch.setattr(ser, "location_tag", lambda s: "cuda:7" if s.nbytes() == 4 else real_tag(s))
+    ck.save(tmp_path, model, extra={"loss_ema": torch.tensor(1.5), "rng": rng})
+    monkeypatch.setattr(ser, "location_tag", real_tag)
+    extra = ck.load(tmp_path, model)
+    here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    assert str(extra["loss_ema"].device) == here and float(extra["loss_ema"]) == 1.5
+    assert extra["rng"].device.type == "cpu" and torch.equal(extra["rng"], rng)

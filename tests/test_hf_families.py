@@ -234,3 +234,28 @@ def test_dp2_ep2_load_sharded_logits(name, dp2ep2):
         res = _check(ranks[rank], name)
         torch.testing.assert_close(res["logits"], ref, atol=TOL, rtol=0)
         assert not torch.allclose(res["after"], res["logits"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_device_with_or_without_index_keeps_computed_buffers(device, tmp_path):
+    """Gemma4's embed_scale (sqrt(hidden), computed by _init_weights) survives load_sharded for
+    a device named with or without its index. On a GPU node device="cuda" made tensors report
+    cuda:0, which did not equal the requested device: the computed values were dropped and the
+    module rebuilt from defaults, embed_scale 1.0, and the logits silently wrong."""
+    from safetensors.torch import save_file
+
+    ref = build(family("gemma4"))
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors"
+    )
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    grouped_ep.load_sharded(model, tmp_path, device=device, progress=False)
+    scales = {n: b for n, b in ref.named_buffers() if n.endswith("embed_scale")}
+    assert scales, "gemma4 has no embed_scale buffers any more: pick another family"
+    got = dict(model.named_buffers())
+    for n, b in scales.items():
+        assert torch.equal(got[n], b), (n, got[n], b)
+    ids = torch.randint(3, 60, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)

@@ -114,10 +114,12 @@ def test_moe_on_meta_device_and_bad_arguments():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_moe_without_ep_never_syncs_the_host_on_cuda():
-    """Without EP, routing, permutation, the grouped GEMMs and combine stay on the device."""
+@pytest.mark.parametrize("aux_loss_coef", [0.0, 0.01])
+def test_moe_without_ep_never_syncs_the_host_on_cuda(aux_loss_coef):
+    """Without EP, routing, permutation, the grouped GEMMs and combine stay on the device; so
+    does the aux-loss gradient (its CPU coefficient was once copied to the GPU, blocking)."""
     torch.manual_seed(0)
-    moe = MoE(64, 32, 8, 2, device="cuda", dtype=torch.bfloat16)
+    moe = MoE(64, 32, 8, 2, device="cuda", dtype=torch.bfloat16, aux_loss_coef=aux_loss_coef)
     x = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).float().square().sum().backward()  # warm-up: lazy inits may sync once
     torch.cuda.synchronize()

@@ -65,10 +65,16 @@ namespace {
 
 using backend::Backend;
 
-// Compute capabilities (major * 10 + minor) on which the CUTLASS kernels passed
-// tests/test_gemm_cuda.py; only there can `auto` pick them. 90: an H200 (sm90a kernels, torch
-// 2.11.0+cu130, 2026-11-26; bench/results/nvidia-h200-20261126-gpu-session.md).
-constexpr std::array<int, 1> kCutlassVerified{90};
+// The (compute capability, CUTLASS kernels) pairs whose kernels passed tests/test_gemm_cuda.py;
+// only there can `auto` pick them. A device of a listed capability that runs other kernels is
+// not verified: an H100 with a build lacking the sm_90a image runs the sm80 kernels, which have
+// not run on a GPU. 90 / sm90a: an H200, torch 2.11.0+cu130, 2026-11-26
+// (bench/results/nvidia-h200-20261126-gpu-session.md).
+struct Verified {
+  int cc;  // major * 10 + minor
+  const char* kernels;  // kernels_name(): "sm90a" or "sm80"
+};
+constexpr std::array<Verified, 1> kCutlassVerified{{{90, "sm90a"}}};
 
 struct DeviceInfo {
   int major = 0;
@@ -146,9 +152,16 @@ std::string cutlass_refusal(const Case& c, const DeviceInfo& info) {
   return shape_limits(c);
 }
 
+// The CUTLASS kernels `info`'s device runs: "sm90a", "sm80" or "none".
+const char* kernels_name(const DeviceInfo& info) {
+  return info.sm90a ? "sm90a" : info.sm80 ? "sm80" : "none";
+}
+
 bool cutlass_verified(const DeviceInfo& info) {
-  for (int cc : kCutlassVerified) {
-    if (cc == info.major * 10 + info.minor) return true;
+  for (const Verified& v : kCutlassVerified) {
+    if (v.cc == info.major * 10 + info.minor && std::string(v.kernels) == kernels_name(info)) {
+      return true;
+    }
   }
   return false;
 }
@@ -312,8 +325,7 @@ std::vector<std::string> cuda_device_report(int device, std::optional<at::Scalar
   out.push_back("device_name=" + info.name);
   out.push_back("compute_capability=" + std::to_string(info.major) + "." +
                 std::to_string(info.minor));
-  out.push_back(std::string("cutlass_kernels=") +
-                (info.sm90a ? "sm90a" : info.sm80 ? "sm80" : "none"));
+  out.push_back(std::string("cutlass_kernels=") + kernels_name(info));
   out.push_back(std::string("cutlass_verified=") + (cutlass_verified(info) ? "1" : "0"));
   if (dtype.has_value()) {
     const Case c{*dtype, 1, 1, k, n, /*aligned=*/true};

@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch import nn
 
+from grouped_ep._validate import canonical_device
 from grouped_ep.loading.errors import LoadError
 
 __all__ = ["fresh_buffers", "nonpersistent_buffers", "refresh_buffers"]
@@ -128,7 +129,7 @@ def fresh_buffers(
     Raises LoadError naming every buffer that cannot be recomputed, and why; with `failures`
     given, those are appended to it instead and the others returned.
     """
-    device = torch.device(device)
+    device = canonical_device(device)  # compared with the device of computed values
     out, failed = [], []
     owners = _init_weights_owners(model)
     for prefix, (module, names) in nonpersistent_buffers(model, only_meta).items():

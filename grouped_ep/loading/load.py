@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_name
-from grouped_ep._validate import is_int
+from grouped_ep._validate import canonical_device, is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
@@ -280,7 +280,7 @@ def load_sharded(
         raise ValueError(f"load_sharded: threads must be an int >= 1, got {threads!r}")
     if device is None:
         device = default_device(model)
-    device = torch.device(device)
+    device = canonical_device(device)  # "cuda" -> the current device, as tensors report it
     ckpt = open_checkpoint(checkpoint)
     quant_cfg = read_quant_config(ckpt)
     if quant_cfg is not None and not dequantize:

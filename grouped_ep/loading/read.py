@@ -123,12 +123,14 @@ def read_staged(targets, paths, threads, progress) -> int:
         fills.append(fill)
 
     staging = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(nbuf)]
-    events: list = [None] * nbuf
+    # Per buffer, the events recorded after the uploads that read it: one per GPU they went to,
+    # on that GPU's current stream (where copy_ runs them), not the current device's.
+    events: list[list] = [[] for _ in range(nbuf)]
     total = 0
     for k, fill in enumerate(fills):
         buf = staging[k % nbuf]
-        if events[k % nbuf] is not None:
-            events[k % nbuf].synchronize()  # the upload that last read this buffer is done
+        for event in events[k % nbuf]:
+            event.synchronize()  # the uploads that last read this buffer are done
         rows = []
         for target, b, e, off in fill:
             item = target.read_dtype.itemsize
@@ -142,8 +144,10 @@ def read_staged(targets, paths, threads, progress) -> int:
             src = buf[off : off + (e - b) * target.read_dtype.itemsize].view(target.read_dtype)
             target.fresh.view(-1)[b:e].copy_(src, non_blocking=cuda)
         if cuda:
-            events[k % nbuf] = torch.cuda.Event()
-            events[k % nbuf].record()
-    if cuda:
-        torch.cuda.synchronize()
+            events[k % nbuf] = [
+                torch.cuda.current_stream(device).record_event()
+                for device in {t.device for t, *_ in fill if t.device.type == "cuda"}
+            ]
+    for device in {t.device for t in targets if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
     return total

@@ -77,7 +77,9 @@ class _AddAuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         aux_loss, coef = ctx.saved_tensors
-        return grad_out, coef.to(aux_loss).expand_as(aux_loss).clone(), None
+        # In place on a fresh tensor: aux_loss's dtype and device, and the CPU coef read as a
+        # scalar (coef.to(device) would be a blocking host-to-device copy in every backward).
+        return grad_out, torch.ones_like(aux_loss).mul_(coef), None
 
 
 def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
