@@ -161,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             plot(suite, data["rows"], png, f"{data['title']} — {saved['device']}")
             print(f"wrote {png}")
         return 0
+    try:
+        index = torch.device(args.device).index
+    except RuntimeError as e:
+        ap.error(f"--device {args.device}: {e}")
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             ap.error("--device cuda: no CUDA device is visible")
-        index = torch.device(args.device).index
         if index is not None:
             if index >= torch.cuda.device_count():
                 ap.error(f"--device {args.device}: {torch.cuda.device_count()} CUDA device(s)")

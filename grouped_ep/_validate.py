@@ -30,13 +30,29 @@ def real_number(value: object) -> float | None:
     return float(value)
 
 
-def canonical_device(device: torch.device | str) -> torch.device:
+def canonical_device(device: torch.device | str, what: str = "device") -> torch.device:
     """`device` as tensors placed there report it: a CUDA device with its index (the current
     device when none is given), a CPU device without one. `torch.device("cuda")` does not equal
-    a tensor's `cuda:0`, nor `cpu:0` a tensor's `cpu`."""
-    device = torch.device(device)
+    a tensor's `cuda:0`, nor `cpu:0` a tensor's `cpu`. A spelling torch refuses is a ValueError
+    naming `what` (e.g. "load_sharded: device")."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what}={device!r} is not a device ({e})") from None
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     if device.type == "cpu" and device.index is not None:
         return torch.device("cpu")
     return device
+
+
+def check_can_hold(device: torch.device, what: str = "device") -> None:
+    """ValueError naming `what` unless `device` can hold values: not meta, and a CUDA device
+    this machine has."""
+    if device.type == "meta":
+        raise ValueError(f"{what}='meta' cannot hold the loaded values")
+    if device.type == "cuda" and (
+        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"{what}={str(device)!r}, and this machine has {have} CUDA device(s)")

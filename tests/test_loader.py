@@ -752,9 +752,19 @@ def test_bad_device_and_threads_are_named_before_anything_is_read(tmp_path):
     with torch.device("meta"):
         model = _fused_model()
     missing_gpu = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on none)
-    for device, message in (("meta", "device='meta' cannot hold"), (missing_gpu, "CUDA device")):
+    for device, message in (
+        ("meta", "device='meta' cannot hold"),
+        (missing_gpu, "CUDA device"),
+        ("gpu", "load_sharded: device='gpu' is not a device"),
+        (2.5, "load_sharded: device=2.5 is not a device"),
+    ):
         with pytest.raises(ValueError, match=message):
             load_sharded(model, tmp_path, device=device)
+    from grouped_ep.hf import init_nonpersistent_buffers
+
+    for device, message in (("gpu", "is not a device"), (missing_gpu, "CUDA device")):
+        with pytest.raises(ValueError, match=f"init_nonpersistent_buffers: device=.*{message}"):
+            init_nonpersistent_buffers(model, device)
     for threads in (2.5, True, 0):
         with pytest.raises(ValueError, match="threads must be an int >= 1"):
             load_sharded(model, tmp_path, threads=threads, device="cpu")

@@ -29,6 +29,7 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from transformers.modeling_utils import PreTrainedModel
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
+from grouped_ep._validate import canonical_device, check_can_hold
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
 from grouped_ep.parallel import (
@@ -310,5 +311,7 @@ def init_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> 
     this after `model.to_empty(...)` (which leaves them holding garbage) or when building the
     model another way. Each owning module is rebuilt alone from its own `config`; a buffer that
     cannot be recomputed is a `grouped_ep.LoadError` naming it."""
+    device = canonical_device(device, "init_nonpersistent_buffers: device")
+    check_can_hold(device, "init_nonpersistent_buffers: device")
     for module, name, value in fresh_buffers(model, device, only_meta=False):
         module._buffers[name] = value

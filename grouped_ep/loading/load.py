@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_name
-from grouped_ep._validate import canonical_device, is_int
+from grouped_ep._validate import canonical_device, check_can_hold, is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
@@ -201,18 +201,6 @@ def default_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_device(device: torch.device) -> None:
-    if device.type == "meta":
-        raise ValueError("load_sharded: device='meta' cannot hold the loaded values")
-    if device.type == "cuda" and (
-        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
-    ):
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(
-            f"load_sharded: device={str(device)!r}, and this machine has {have} CUDA device(s)"
-        )
-
-
 def load_sharded(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -280,7 +268,8 @@ def load_sharded(
         raise ValueError(f"load_sharded: threads must be an int >= 1, got {threads!r}")
     if device is None:
         device = default_device(model)
-    device = canonical_device(device)  # "cuda" -> the current device, as tensors report it
+    # "cuda" -> the current device, as tensors report it
+    device = canonical_device(device, "load_sharded: device")
     ckpt = open_checkpoint(checkpoint)
     quant_cfg = read_quant_config(ckpt)
     if quant_cfg is not None and not dequantize:
@@ -296,7 +285,7 @@ def load_sharded(
     reshard_all(model)
     targets = _targets(model)
     if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
-        _check_device(device)
+        check_can_hold(device, "load_sharded: device")
     used: set[str] = set()
     missing, todo, quantized = [], [], []
     with conversions_cached(model):
