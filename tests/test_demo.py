@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_demo_end_to_end_short(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU demo, as in CI, also on a GPU machine
     cmd = [sys.executable, "-m", "grouped_ep.demo", "--steps", "3", "--resume-steps", "2"]
     proc = run_group(
         [*cmd, "--out", str(out), "--device", "cpu"],

@@ -376,7 +376,7 @@ def test_meta_build_load_sharded_runs_without_another_call(tmp_path):
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     assert any(b.is_meta for b in meta.buffers())  # rotary inv_freq is in no checkpoint
-    report = load_sharded(meta, tmp_path)
+    report = load_sharded(meta, tmp_path, device="cpu")
     assert not report.missing and not report.unused_keys, report
     assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
     for name, buf in model.named_buffers():
@@ -432,9 +432,9 @@ def test_strict_load_names_params_without_keys(tmp_path):
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     with pytest.raises(LoadError, match=r"no checkpoint key for 1 tensor\(s\).*lm_head.weight"):
-        load_sharded(meta, tmp_path)
+        load_sharded(meta, tmp_path, device="cpu")
     assert all(p.is_meta for p in meta.parameters())  # nothing was loaded
-    report = load_sharded(meta, tmp_path, strict=False)
+    report = load_sharded(meta, tmp_path, strict=False, device="cpu")
     assert report.missing == ["lm_head.weight"] and meta.lm_head.weight.is_meta
 
 
@@ -521,7 +521,7 @@ def test_load_sharded_into_a_wrapped_model(tmp_path, wrapper):
         assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
     else:
         model = torch.compile(model)
-    report = grouped_ep.load_sharded(model, tmp_path)
+    report = grouped_ep.load_sharded(model, tmp_path, device="cpu")
     assert report.missing == [] and report.unused_keys == []
     got = model.state_dict()
     for name, want in ref.state_dict().items():

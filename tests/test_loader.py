@@ -175,7 +175,7 @@ def test_qwen3_moe_save_pretrained_into_meta_model(qwen_ckpt):
         and sum(n.endswith(".safetensors") for n in names) > 2
     )
     model = meta_model(tiny_qwen3_moe_config(experts=12))
-    report = load_sharded(model, path)
+    report = load_sharded(model, path, device="cpu")
     state = _state(model)
     assert state.keys() == ref.keys()
     for k, v in ref.items():
@@ -200,7 +200,7 @@ def test_hugging_face_cache_layout_with_symlinked_shards(qwen_ckpt, tmp_path):
         blob.write_bytes((path / name).read_bytes())
         (snap / name).symlink_to(f"../../blobs/blob{i}")
     model = meta_model(tiny_qwen3_moe_config(experts=12))
-    load_sharded(model, snap)
+    load_sharded(model, snap, device="cpu")
     state = _state(model)
     for k, v in ref.items():
         assert torch.equal(state[k], v), k
@@ -251,7 +251,7 @@ def test_mixtral_save_pretrained_w1_w2_w3(tmp_path):
     path = save_hf(tmp_path, config, seed=4)
     ref = from_pretrained_state(path)
     model = meta_model(config)
-    report = load_sharded(model, path)
+    report = load_sharded(model, path, device="cpu")
     for k, v in ref.items():
         assert torch.equal(_state(model)[k], v), k
     assert report.unused_keys == [] and report.missing == []
@@ -262,7 +262,7 @@ def test_bf16_file_into_fp32_model_meta_and_materialized(tmp_path):
     path = save_hf(tmp_path, config, seed=5, dtype=torch.bfloat16)
     ref = from_pretrained_state(path)
     for model in (meta_model(config), meta_model(config).to_empty(device="cpu")):
-        report = load_sharded(model, path)
+        report = load_sharded(model, path, device="cpu")
         for k, v in ref.items():
             got = _state(model)[k]
             assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
@@ -538,7 +538,7 @@ def test_read_error_midway_leaves_model_untouched(tmp_path, monkeypatch):
         model = _fused_model()
     del model.m.scratch  # a meta buffer no checkpoint holds: its own error (tested elsewhere)
     with pytest.raises(LoadError, match="s2.safetensors"):
-        load_sharded(model, tmp_path)
+        load_sharded(model, tmp_path, device="cpu")
     assert all(t.is_meta for t in model.state_dict().values())
 
 

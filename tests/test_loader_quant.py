@@ -128,7 +128,7 @@ def test_dequantize_op_rejects_bad_arguments():
 def test_fp8_checkpoint_equals_transformers(tmp_path, shape, dtype):
     want, tensors = write_fp8(tmp_path, dtype=dtype, **shape)
     model = meta_model("fp8", dtype=dtype, **shape)
-    report = load_sharded(model, tmp_path)
+    report = load_sharded(model, tmp_path, device="cpu")
     got = _state(model)
     assert set(got) == set(want)
     for k in want:
@@ -150,7 +150,7 @@ def test_fp8_scale_dtypes(tmp_path, scale_dtype):
     want, tensors = write_fp8(tmp_path, scale_dtype=scale_dtype, e=2, h=64, i=32, r=48)
     assert tensors["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"].dtype == scale_dtype
     model = meta_model("fp8", e=2, h=64, i=32, r=48)
-    load_sharded(model, tmp_path)
+    load_sharded(model, tmp_path, device="cpu")
     got = _state(model)
     for k in want:
         _exact(got[k], want[k], k)
@@ -168,7 +168,7 @@ def test_fp8_e5m2_weights_are_refused(tmp_path):
 def test_mxfp4_checkpoint_equals_transformers(tmp_path, dtype):
     want, tensors = write_mxfp4(tmp_path, dtype=dtype)
     model = meta_model("mxfp4", dtype=dtype)
-    report = load_sharded(model, tmp_path)
+    report = load_sharded(model, tmp_path, device="cpu")
     got = _state(model)
     for k in want:
         _exact(got[k], want[k], k)
@@ -504,7 +504,7 @@ def test_mxfp4_into_transformers_gpt_oss_takes_its_orientation(tmp_path, hidden,
     cfg, want = _gpt_oss_mxfp4(tmp_path / "ckpt", hidden, inter)
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg).float()
-    report = load_sharded(model, tmp_path / "ckpt")
+    report = load_sharded(model, tmp_path / "ckpt", device="cpu")
     assert report.missing == [] and report.unused_keys == []
     got = model.state_dict()
     for k, v in want.items():
@@ -528,7 +528,7 @@ def test_export_of_a_model_loaded_from_mxfp4_is_a_plain_checkpoint(tmp_path):
     assert config.quantization_config["quant_method"] == "mxfp4"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    load_sharded(model, tmp_path / "ckpt")
+    load_sharded(model, tmp_path / "ckpt", device="cpu")
     export_hf(model, tmp_path / "hf")
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)

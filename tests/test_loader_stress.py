@@ -9,6 +9,7 @@ print "terminate called". The long form (hundreds of jobs) is the same script wi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ def test_ranks_exit_cleanly_after_load_sharded(tmp_path: Path) -> None:
         text=True,
         timeout=600,
         start_new_session=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # gloo ranks on CPU, as in CI
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
