@@ -191,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         import grouped_ep
 
         # GROUPED_EP_BACKEND (or auto): which CUDA kernels the grouped_ep rows ran.
-        report["gemm_backend_requested"] = grouped_ep.backend.get_backend()
-        report["device"] = (
-            f"{name}; grouped_ep backend requested: {grouped_ep.backend.get_backend()}"
-        )
+        requested = report["gemm_backend_requested"] = grouped_ep.backend.get_backend()
+        report["device"] = f"{name}; grouped_ep backend requested: {requested}"
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.out / f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
     md = [

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from grouped_ep._validate import canonical_device
+
 # (atol, rtol) per dtype for `assert_close_to`: each element may be off by
 # atol * scale + rtol * |ref|, where scale is local (the element's row, or its expert's slice).
 #
@@ -148,9 +150,7 @@ def poisoned_pool(device: torch.device | str) -> Iterator[list[tuple[int, int]]]
     the body of at most 20 MiB starts as NaN. Yields the segments as (start, end) addresses, to
     check that an output really came from them.
     """
-    device = torch.device(device)
-    if device.index is None:  # torch 2.11's use_mem_pool refuses a device without an index
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = canonical_device(device)  # torch 2.11's use_mem_pool refuses "cuda" (no index)
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool, device=device):
         mib = 1 << 20

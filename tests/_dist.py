@@ -31,6 +31,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch.multiprocessing as mp
 
@@ -123,16 +124,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ]
     # The ranks are gloo processes on CPU: a GPU machine's devices are hidden from them (make_mesh
     # and load_sharded would otherwise default to cuda there), so they run as they do in CI.
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
+    with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):
         for p in procs:
             p.start()
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     values: dict[int, Any] = {}
     try:

@@ -94,6 +94,7 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
     dense_w = torch.randn(case.k, case.n, device=device).to(dtype)
     dy = torch.randn(case.rows, case.n, device=device).to(dtype)
     flops = 2.0 * case.rows * case.k * case.n * (3 if backward else 1)
+    impls = _impls(offs, sizes, case.trans_w)
     row = {
         "case": case.name,
         "routing": routing,
@@ -106,7 +107,6 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
         # The backend grouped_ep ran (GROUPED_EP_BACKEND picks it), and a check that it computed
         # the same product as the per-expert loop of torch.mm: max |ours - loop| / max |loop|.
         row["backend"] = grouped_ep.backend.backend_for(dtype, case.k, case.n)[0]
-        impls = _impls(offs, sizes, case.trans_w)
         with torch.no_grad():
             ref = impls["loop"](x, w).float()
             row["rel_err_vs_loop"] = float(
@@ -120,7 +120,7 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
     # Fast rows get more rounds (up to 60): their medians are what the targets are read from.
     min_s = None if device.startswith("cuda") else 0.1 * reps
     steps = {}
-    for name, fn in _impls(offs, sizes, case.trans_w).items():
+    for name, fn in impls.items():
         xi = x.detach().requires_grad_(backward)
         wi = (dense_w if name == "dense" else w).detach().requires_grad_(backward)
 

@@ -193,12 +193,8 @@ def default_device(model: nn.Module) -> torch.device:
     the current accelerator, else CPU."""
     for t in model.parameters():
         if isinstance(t, DTensor):
-            if t.device_mesh.device_type == "cuda":
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device(t.device_mesh.device_type)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+            return canonical_device(t.device_mesh.device_type)  # cuda: the current device
+    return canonical_device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_sharded(
