@@ -77,7 +77,7 @@ class Routing:
             and expert_ids.numel()
             and not torch.compiler.is_compiling()
         ):
-            low, high = int(expert_ids.min()), int(expert_ids.max())
+            low, high = (int(v) for v in torch.aminmax(expert_ids))  # one pass
             if low < 0 or high >= num_experts:
                 raise ValueError(
                     f"Routing: expert_ids must be in [0, num_experts={num_experts}), got ids "
