@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from grouped_ep import checkpoint as ck
 from grouped_ep.__main__ import main as cli
 from grouped_ep._subprocess import run as run_group
-from grouped_ep.checkpoint.export import parse_size, split_expert_tensor
+from grouped_ep.checkpoint.export import parse_size
+from grouped_ep.checkpoint.export_plan import split_expert_tensor
 
 
 class Small(nn.Module):
