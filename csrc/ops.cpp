@@ -33,8 +33,12 @@ TORCH_LIBRARY(grouped_ep, m) {
   // Copies byte ranges of the files `paths` into the storage of `outs` (contiguous CPU tensors)
   // with `threads` parallel preads. plan: int64 [N, 5]; row i = (file index, out index,
   // src_offset, dst_offset, length): file bytes [src_offset, src_offset + length) are written at
-  // byte dst_offset of outs[out]. Returns the number of bytes read.
-  m.def("read_ranges(str[] paths, Tensor(a!)[] outs, Tensor plan, int threads=8) -> int");
+  // byte dst_offset of outs[out]. Returns the number of bytes read. expect: None, or 4 ints per
+  // path, (st_dev, st_ino, st_size, st_mtime_ns) as the caller saw the file; a file that no
+  // longer matches after open is an error before anything of it is read.
+  m.def(
+      "read_ranges(str[] paths, Tensor(a!)[] outs, Tensor plan, int threads=8, "
+      "int[]? expect=None) -> int");
   // Dequantization (csrc/io/dequant.cpp): out[a, i, j] = value(q[a, i, j]) *
   // scale[a, row_block[i], col_block[j]] in fp32, rounded once to out's dtype. q: uint8
   // [A, R, C] float8_e4m3fn bytes (format "fp8") or [A, R, C/2] FP4 pairs ("mxfp4"); scale:

@@ -467,7 +467,7 @@ def _valid_raw(tmp_path):
         ("overlap", r"'x' at \[8, 16\) overlaps tensor 'm\.norm'"),
         ("gap", r"not contiguous: gap \[16, 20\) before tensor 'x'"),
         ("bad_json", r"header is not valid JSON"),
-        ("unknown_dtype", r"'x': unknown dtype 'F33'"),
+        ("dtype_not_a_string", r"'x': dtype must be a string, got 33"),
         ("short_file", r"truncated file"),
         ("metadata_not_strings", r"__metadata__ must be an object of strings"),
         ("metadata_a_list", r"__metadata__ must be an object of strings"),
@@ -491,8 +491,8 @@ def test_error_corrupt_files(tmp_path, case, match):
         raw_safetensors(path, header, data + bytes(4))
     elif case == "bad_json":
         raw_safetensors(path, b'{"m.norm": {"dtype": "F32",', data)
-    elif case == "unknown_dtype":
-        header["x"]["dtype"] = "F33"
+    elif case == "dtype_not_a_string":
+        header["x"]["dtype"] = 33
         raw_safetensors(path, header, data)
     elif case == "short_file":
         path.write_bytes(b"\x01\x00")
@@ -530,7 +530,11 @@ def test_read_error_midway_leaves_model_untouched(tmp_path, monkeypatch):
         return ckpt
 
     monkeypatch.setattr(loader, "open_checkpoint", open_then_truncate)
-    _expect(r"s2\.safetensors: unexpected end of file at offset \d+", _fused_model(), tmp_path)
+    _expect(
+        r"s2\.safetensors: the file changed since its header was read .*load again",
+        _fused_model(),
+        tmp_path,
+    )
     write_safetensors(
         tmp_path / "s2.safetensors", {k: v for k, v in state.items() if k != "m.norm"}
     )
@@ -540,6 +544,97 @@ def test_read_error_midway_leaves_model_untouched(tmp_path, monkeypatch):
     with pytest.raises(LoadError, match="s2.safetensors"):
         load_sharded(model, tmp_path, device="cpu")
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+def test_file_replaced_after_its_header_was_read_is_refused(tmp_path, monkeypatch):
+    """A writer's save-then-rename between planning and reading: the new file's bytes at the old
+    header's offsets would load as a mix of two tensors. The reader checks each file is the one
+    whose header was read (device, inode, size, modification time)."""
+    write_safetensors(tmp_path / "model.safetensors", _fused_state(0))
+    real = loader.open_checkpoint
+
+    def open_then_replace(path):
+        ckpt = real(path)
+        other = tmp_path / "tmp.safetensors"
+        write_safetensors(other, _fused_state(1))  # same shapes, same size, new values
+        os.replace(other, tmp_path / "model.safetensors")
+        return ckpt
+
+    monkeypatch.setattr(loader, "open_checkpoint", open_then_replace)
+    _expect(
+        r"model\.safetensors: the file changed since its header was read", _fused_model(), tmp_path
+    )
+    monkeypatch.undo()  # the replaced file, read from its own header, loads whole
+    model = _fused_model()
+    load_sharded(model, tmp_path)
+    assert torch.equal(model.m.experts.down_proj, _fused_state(1)["m.experts.down_proj"])
+
+
+@pytest.mark.parametrize("case", ["inference_tensor", "expanded_buffer"])
+def test_destination_that_cannot_take_a_copy_is_refused_before_reading(tmp_path, case):
+    """A materialized model tensor that an in-place copy cannot write (an inference tensor
+    outside inference mode, a buffer whose elements share memory) used to fail halfway through
+    the copies into the model, leaving some tensors loaded and the rest not."""
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    if case == "inference_tensor":
+        with torch.inference_mode():
+            model = _fused_model()
+        match = r"'m\.(norm|experts\.\w+)' is an inference tensor .* nothing was read"
+    else:
+        model = _fused_model()
+        model.m.norm = torch.zeros(1).expand(4)
+        match = r"'m\.norm' has elements that share memory .* nothing was read"
+    _expect(match, model, tmp_path)
+    if case == "inference_tensor":
+        with torch.inference_mode():  # where it can be written, it loads
+            load_sharded(model, tmp_path)
+        assert torch.equal(model.m.norm, _fused_state()["m.norm"])
+
+
+def test_dtypes_unknown_to_the_loader_fail_only_the_tensors_that_need_them(tmp_path):
+    """Keys of a dtype the loader does not know (a newer format) are listed as unused when the
+    model has no place for them; a tensor that needs one is an error naming the key and dtype.
+    complex64 and the FNUZ float8 formats, which safetensors writes, are read."""
+    state = _fused_state()
+    state["freqs_cis"] = torch.polar(torch.ones(3), torch.arange(3.0))
+    state["fnuz"] = torch.ones(2).to(torch.float8_e4m3fnuz)
+    write_safetensors(tmp_path / "model.safetensors", state)
+    model = _fused_model()
+    report = load_sharded(model, tmp_path)
+    assert report.unused_keys == ["fnuz", "freqs_cis"]
+    header, data = _valid_raw(tmp_path)
+    header["x"]["dtype"] = "F33"
+    path = tmp_path / "new.safetensors"
+    raw_safetensors(path, header, data)
+    plain = nn.Module()
+    plain.register_buffer("norm", torch.zeros(4))
+    plain.register_buffer("x", torch.zeros(2))
+    plain_report = load_sharded(plain, path, key_map={"norm": "m.norm"}, strict=False)
+    assert plain_report.missing == ["x"] and plain_report.unused_keys == ["x"]
+    _expect(
+        r"no checkpoint key for 1 tensor.*: x\. .*holds 1 key\(s\) in a dtype this loader "
+        r"cannot read: 'x' \(F33\)",
+        plain,
+        path,
+        key_map={"norm": "m.norm"},
+    )
+    solo = nn.Module()
+    solo.register_buffer("norm", torch.zeros(4))
+    assert load_sharded(solo, path, key_map={"norm": "m.norm"}).unused_keys == ["x"]
+
+
+def test_a_named_pipe_in_the_checkpoint_folder_is_not_waited_on(tmp_path):
+    """A FIFO named `*.safetensors` (or any non-regular file) is not a checkpoint file: the only
+    one in a folder used to be opened, which blocks forever."""
+    os.mkfifo(tmp_path / "model.safetensors")
+    _expect(r"found 0 index files and 0 \.safetensors files", _fused_model(), tmp_path)
+    _expect(r"is not a regular file", _fused_model(), tmp_path / "model.safetensors")
+    other = tmp_path / "sub"
+    other.mkdir()
+    write_safetensors(other / "a.safetensors", {"m.norm": _fused_state()["m.norm"]})
+    os.mkfifo(other / "b.safetensors")
+    write_index(other, {"m.norm": "a.safetensors", "m.experts.down_proj": "b.safetensors"})
+    _expect(r"'b\.safetensors'.* is not a regular file", _fused_model(), other)
 
 
 def test_checkpoint_not_found(tmp_path):
@@ -810,23 +905,29 @@ def test_index_naming_a_key_twice_for_two_files_is_refused(tmp_path):
 
 
 def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, monkeypatch):
-    """A file that shrinks between planning and reading (replaced on a shared filesystem): the
-    reader's error gives a byte offset; the tensor stored there is named too."""
+    """A file that shrinks while it is read (seen by the reader as an early end of file; a change
+    before the read is refused by its identity check, tested above): the reader's error gives a
+    byte offset; the tensor stored there is named too, found from the file's known path, which
+    may hold ': ' (the path used to be cut at the first one, and the tensor went unnamed)."""
     import grouped_ep.loading.load as load_module
 
-    path = write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    (tmp_path / "run: 3").mkdir()
+    path = write_safetensors(tmp_path / "run: 3" / "model.safetensors", _fused_state())
     read_direct = load_module.read_direct
 
-    def cut_then_read(*args):
+    def cut_then_read(targets, files, *args):
         data = path.read_bytes()
         path.write_bytes(data[: len(data) - 8])
-        return read_direct(*args)
+        for f in files:  # the change lands after the reader's identity check
+            f.identity = None
+        return read_direct(targets, files, *args)
 
     monkeypatch.setattr(load_module, "read_direct", cut_then_read)
     model = _fused_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(
-        LoadError, match=r"model.safetensors: unexpected end of file at offset \d+ .*\(in tensor '"
+        LoadError,
+        match=r"run: 3/model.safetensors: unexpected end of file at offset \d+ .*\(in tensor '",
     ):
-        load_sharded(model, tmp_path)
+        load_sharded(model, tmp_path / "run: 3")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -577,3 +577,91 @@ def test_mxfp4_into_gpt_oss_after_parallelize_takes_its_orientation(tmp_path):
         for name, local in got.items():
             full = want[f"model.layers.0.mlp.experts.{name}"]
             _exact(local, full[2 * rank : 2 * rank + 2], f"rank {rank} {name}")
+
+
+def test_fp8_scales_named_weight_scale_without_config_are_an_error(tmp_path):
+    """compressed-tensors / ModelOpt name an fp8 weight's scales `weight_scale`: without a
+    quantization_config they used to be left unused and the raw fp8 codes loaded (446 off)."""
+    from _quant_ckpt import quantize_fp8
+
+    q, s = quantize_fp8(torch.randn(8, 16), (8, 16))
+    save_file({"proj.weight": q, "proj.weight_scale": s}, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(16, 8, bias=False)
+    before = model.proj.weight.detach().clone()
+    with pytest.raises(
+        LoadError, match=r"'proj\.weight' is quantized .*scales 'proj\.weight_scale'\) but no"
+    ):
+        load_sharded(model, tmp_path)
+    assert torch.equal(model.proj.weight, before)
+
+
+def test_mxfp4_keys_named_by_key_map(tmp_path):
+    """key_map names an MXFP4 tensor by its logical key or by its `_blocks` key (it used to be
+    'missing key', or a shape mismatch between [E, R, C] and the packed blocks)."""
+    want, _ = write_mxfp4(tmp_path)
+    for mapped in ("", "_blocks"):
+        model = meta_model("mxfp4")
+        renamed = torch.nn.Module()
+        renamed.blocks = model.model.layers  # the same tensors, under other names
+
+        def key_map(name, suffix=mapped):
+            return (
+                "model.layers." + name.removeprefix("blocks.") + suffix
+                if "experts." in name and not name.endswith("_bias")
+                else "model.layers." + name.removeprefix("blocks.")
+            )
+
+        report = load_sharded(renamed, tmp_path, key_map=key_map, device="cpu", strict=False)
+        got = _state(model)
+        for k in (
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj",
+        ):
+            _exact(got[k], want[k], k)
+        assert not any(k.endswith(("_blocks", "_scales")) for k in report.unused_keys)
+
+
+def test_mxfp4_checkpoint_into_a_model_with_more_layers_names_the_missing(tmp_path):
+    """A 1-D model tensor with no key (a layer the checkpoint lacks) under an MXFP4 config took
+    transformers' swap of the last two dims of its shape: an IndexError, strict or not."""
+    from transformers import GptOssForCausalLM
+
+    cfg, _ = _gpt_oss_mxfp4(tmp_path / "ckpt", 64, 32)
+    cfg.num_hidden_layers, cfg.layer_types = 2, ["full_attention"] * 2
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg).float()
+    with pytest.raises(LoadError, match=r"no checkpoint key for \d+ tensor.*model\.layers\.1\."):
+        load_sharded(model, tmp_path / "ckpt", device="cpu")
+    report = load_sharded(model, tmp_path / "ckpt", device="cpu", strict=False)
+    assert "model.layers.1.self_attn.sinks" in report.missing
+    assert "model.layers.1.mlp.experts.gate_up_proj" in report.missing
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.is_meta
+
+
+@pytest.mark.parametrize("direction", ["base_from_head", "head_from_base"])
+def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
+    """As from_pretrained does: a base model (`GptOssModel`) loads the checkpoint of its model
+    with a head (keys `model.layers...`), plain or MXFP4; a model with a head loads its base
+    model's checkpoint (the head then missing). Both used to be 'no checkpoint key' for every
+    tensor."""
+    from transformers import GptOssForCausalLM, GptOssModel
+
+    cfg, want = _gpt_oss_mxfp4(tmp_path / "ckpt", 64, 32)
+    if direction == "base_from_head":
+        with torch.device("meta"):
+            model = GptOssModel(cfg).float()
+        report = load_sharded(model, tmp_path / "ckpt", device="cpu")
+        assert report.unused_keys == ["lm_head.weight"]
+        got = {f"model.{k}": v for k, v in model.state_dict().items()}
+        for k, v in got.items():
+            _exact(v, want[k], k)
+        return
+    base = GptOssModel(cfg).float()
+    base.save_pretrained(tmp_path / "base")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg).float()
+    report = load_sharded(model, tmp_path / "base", device="cpu", strict=False)
+    assert report.missing == ["lm_head.weight"] and report.unused_keys == []
+    for k, v in base.state_dict().items():
+        _exact(model.state_dict()[f"model.{k}"], v, k)

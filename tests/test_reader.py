@@ -4,6 +4,8 @@ chunk and iovec limits, truncated files; and `load_sharded`'s default thread cou
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -132,3 +134,25 @@ def test_crc32c_of_file_ranges(tmp_path):
         op(str(path), torch.tensor([len(data) - 4]), torch.tensor([10]))
     with pytest.raises(RuntimeError, match=r"cannot open .*missing"):
         op(str(tmp_path / "missing"), torch.tensor([0]), torch.tensor([1]))
+
+
+def test_expect_refuses_a_file_that_is_not_the_one_described(tmp_path):
+    """`expect` (st_dev, st_ino, st_size, st_mtime_ns per path) is checked after each open,
+    before any byte is read: a mismatch names the file; a wrong count is refused."""
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(range(64)))
+    st = os.stat(f)
+    ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    out = torch.zeros(4, dtype=torch.uint8)
+    plan = torch.tensor([[0, 0, 8, 0, 4]])
+    assert torch.ops.grouped_ep.read_ranges([str(f)], [out], plan, 1, ident) == 4
+    assert out.tolist() == [8, 9, 10, 11]
+    out.zero_()
+    for i in range(4):
+        wrong = list(ident)
+        wrong[i] += 1
+        with pytest.raises(RuntimeError, match=r"blob: the file changed since its header was read"):
+            torch.ops.grouped_ep.read_ranges([str(f)], [out], plan, 1, wrong)
+    assert not out.any()
+    with pytest.raises(RuntimeError, match=r"expect must hold 4 values per path \(4\), got 3"):
+        torch.ops.grouped_ep.read_ranges([str(f)], [out], plan, 1, ident[:3])

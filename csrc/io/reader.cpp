@@ -23,6 +23,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -115,15 +116,21 @@ struct Chunk {
   size_t last;
 };
 
-// Owns the open descriptors of one call; closes them however the call ends.
+// Owns the open descriptors of one call; closes them however the call ends. `expect`, when not
+// empty, holds 4 values per path, (st_dev, st_ino, st_size, st_mtime in ns) as they were when
+// the caller read the file's header: a file replaced or rewritten since (a writer's
+// save-then-rename) is refused rather than read at the offsets of the old header.
 class Files {
  public:
-  explicit Files(const std::vector<std::string>& paths) : paths_(paths) {
+  Files(const std::vector<std::string>& paths, const std::vector<int64_t>& expect)
+      : paths_(paths) {
     fds_.reserve(paths.size());
-    for (const auto& path : paths) {
+    for (size_t i = 0; i < paths.size(); ++i) {
+      const std::string& path = paths[i];
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       GE_CHECK(fd >= 0, "read_ranges: cannot open ", path, ": ", std::strerror(errno));
-      fds_.push_back(fd);
+      fds_.push_back(fd);  // closed by the destructor from here on, errors included
+      if (!expect.empty()) check_unchanged(fd, path, &expect[4 * i]);
       ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a larger read-ahead window
     }
   }
@@ -133,6 +140,21 @@ class Files {
   Files(const Files&) = delete;
   Files& operator=(const Files&) = delete;
   int fd(int64_t i) const { return fds_[i]; }
+  static void check_unchanged(int fd, const std::string& path, const int64_t* want) {
+    struct stat st {};
+    GE_CHECK(::fstat(fd, &st) == 0, "read_ranges: cannot stat ", path, ": ",
+             std::strerror(errno));
+    const int64_t mtime_ns =
+        static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    const bool same = static_cast<int64_t>(st.st_dev) == want[0] &&
+                      static_cast<int64_t>(st.st_ino) == want[1] &&
+                      static_cast<int64_t>(st.st_size) == want[2] && mtime_ns == want[3];
+    GE_CHECK(same, "read_ranges: ", path,
+             ": the file changed since its header was read (now ", st.st_size,
+             " bytes, inode ", st.st_ino, "; then ", want[2], " bytes, inode ", want[1],
+             "; or a new modification time): it was replaced or rewritten during the load, "
+             "load again once it is complete");
+  }
   const std::string& path(int64_t i) const { return paths_[i]; }
 
  private:
@@ -197,8 +219,10 @@ void make_chunks(std::vector<Row>& rows, std::vector<Row>& segments, std::vector
 
 // paths: files the plan refers to by index. outs: contiguous CPU tensors written in place.
 // plan: int64 [N, 5], row i = (file, out, src_offset, dst_offset, length) in bytes.
+// expect: none, or (st_dev, st_ino, st_size, st_mtime_ns) per path, checked after each open.
 int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList outs,
-                        const at::Tensor& plan, int64_t threads) {
+                        const at::Tensor& plan, int64_t threads,
+                        at::OptionalIntArrayRef expect) {
   constexpr const char* op = "read_ranges";
   GE_CHECK(plan.dim() == 2 && plan.size(1) == kPlanCols, op,
            ": plan must be int64 [N, 5] (file, out, src_offset, dst_offset, length), got shape ",
@@ -206,6 +230,12 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   GE_CHECK(plan.scalar_type() == at::kLong && plan.device().is_cpu(), op,
            ": plan must be an int64 CPU tensor, got ", plan.scalar_type(), " on ", plan.device());
   GE_CHECK(threads >= 1, op, ": threads must be >= 1, got ", threads);
+  std::vector<int64_t> identity;
+  if (expect.has_value()) {
+    GE_CHECK(expect->size() == 4 * paths.size(), op, ": expect must hold 4 values per path (",
+             4 * paths.size(), "), got ", expect->size());
+    identity.assign(expect->begin(), expect->end());
+  }
   for (size_t i = 0; i < outs.size(); ++i) {
     GE_CHECK(outs[i].device().is_cpu() && outs[i].is_contiguous(), op, ": outs[", i,
              "] must be a contiguous CPU tensor, got ", outs[i].device(),
@@ -242,7 +272,7 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
   make_chunks(rows, segments, chunks);
 
   for (const auto& out : outs) advise_huge_pages(out);
-  const Files files(paths);
+  const Files files(paths, identity);
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex error_mutex;

@@ -82,14 +82,14 @@ def dequantize_torch(
     out.copy_(vals * s)
 
 
-def read_quantized(targets: list[Target], paths, threads: int, progress) -> tuple[int, int]:
+def read_quantized(targets: list[Target], files, threads: int, progress) -> tuple[int, int]:
     """Read and dequantize `targets` into fresh tensors. Returns (quantized, scale) bytes read."""
     qbytes = sbytes = 0
     for target in targets:
         plan = target.quant
         data = torch.empty(plan.data_bytes, dtype=torch.uint8)
         scales = torch.empty(plan.scale_bytes, dtype=torch.uint8)
-        n = read_ranges(paths, [data, scales], plan.rows, threads)
+        n = read_ranges(files, [data, scales], plan.rows, threads)
         progress.add(n)
         qbytes += int(plan.rows[plan.rows[:, 1] == 0, 4].sum())
         sbytes += int(plan.rows[plan.rows[:, 1] == 1, 4].sum())

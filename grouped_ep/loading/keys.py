@@ -335,6 +335,9 @@ def _user_layout(name: str, shape: tuple[int, ...], value: object, ckpt: Checkpo
     stacked on a new dim 0 (one per index of dim 0) or concatenated on dim 0."""
     nd = len(shape)
     if isinstance(value, str):
+        base = value.removesuffix("_blocks")
+        if f"{base}_blocks" in ckpt and f"{base}_scales" in ckpt and base not in ckpt:
+            return []  # MXFP4 `{value}_blocks` / `_scales`: loading.quant reads them
         if value not in ckpt:
             raise LoadError(f"{ckpt.root}: missing key {value!r} (key_map for {name!r})")
         return [(value, (0,) * nd, shape, shape)]
@@ -380,6 +383,17 @@ def _check_layout(
         corner, dims, view = (part + [None, None, None])[:3]
         pieces.append(Piece(entry, offset, pshape, corner, dims, view))
     return pieces
+
+
+def mapped_keys(names: list[str], key_map) -> list[str]:
+    """A tensor's names, each as the single key `key_map` names for it where it names one."""
+    ask = key_map if callable(key_map) else key_map.get if isinstance(key_map, Mapping) else None
+    out = []
+    for name in names:
+        value = ask(name) if ask is not None else None
+        # an MXFP4 tensor is named by its logical key, or by its `_blocks` key
+        out.append(value.removesuffix("_blocks") if isinstance(value, str) else name)
+    return out
 
 
 def resolve_pieces(

@@ -16,6 +16,7 @@ Three steps, the first two in Python, with no collective anywhere:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -34,11 +35,17 @@ from grouped_ep._validate import canonical_device, check_can_hold, is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.keys import KeyMap, conversions_cached, resolve_pieces
+from grouped_ep.loading.keys import (
+    KeyMap,
+    conversions_cached,
+    is_transformers_model,
+    mapped_keys,
+    resolve_pieces,
+)
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
-from grouped_ep.loading.safetensors import open_checkpoint
+from grouped_ep.loading.safetensors import Checkpoint, open_checkpoint
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
 
@@ -75,17 +82,80 @@ class LoadReport:
 
 def _name_tensor(message: str, ckpt) -> str:
     """A read error names a file and a byte offset: add the tensor stored there."""
-    m = re.match(r"grouped_ep\.read_ranges: (.+?): .* at offset (\d+)", message)
-    file = ckpt.files.get(m.group(1)) if m else None
-    if file is None:
+    prefix = "grouped_ep.read_ranges: "
+    # The file by its known path (a path may itself hold ": "), then the offset after it.
+    file = next((f for p, f in ckpt.files.items() if message.startswith(f"{prefix}{p}: ")), None)
+    m = re.search(r" at offset (\d+)", message[len(prefix) + len(file.path) :]) if file else None
+    if m is None:
         return message
-    offset = int(m.group(2))
+    offset = int(m.group(1))
     for entry in file.tensors.values():
         if entry.start <= offset < entry.start + entry.nbytes:
             return (
                 f"{message} (in tensor {entry.key!r}; the file changed since its header was read?)"
             )
     return message
+
+
+def _unreadable_note(ckpt) -> str:
+    """The keys whose dtype this loader does not know: a tensor the model needs may be one."""
+    if not ckpt.unreadable:
+        return ""
+    shown = ", ".join(f"{k!r} ({d})" for k, d in list(ckpt.unreadable.items())[:10])
+    return (
+        f" The checkpoint also holds {len(ckpt.unreadable)} key(s) in a dtype this loader cannot "
+        f"read: {shown}{' ...' if len(ckpt.unreadable) > 10 else ''}."
+    )
+
+
+def _align_base_prefix(model: nn.Module, ckpt):
+    """A transformers base model (`Qwen3MoeModel`) from a checkpoint of its model with a head
+    (`model.layers...`), or a model with a head from its base model's checkpoint: the keys with
+    the base model's prefix stripped or added, as `from_pretrained` does. Returns the checkpoint
+    as the model names it, and {renamed key: key in the files} (empty if nothing changed)."""
+    prefix = getattr(model, "base_model_prefix", "") if is_transformers_model(model) else ""
+    if not prefix:
+        return ckpt, {}
+    dot = f"{prefix}."
+    names = {unwrapped_name(n) for n, _ in chain(model.named_parameters(), model.named_buffers())}
+    keys = list(chain(ckpt.entries, ckpt.unreadable))
+    model_has = any(n.startswith(dot) for n in names)
+    ckpt_has = any(k.startswith(dot) for k in keys)
+    if model_has == ckpt_has or not names.isdisjoint(keys):
+        return ckpt, {}
+    if ckpt_has:  # strip: keys of the head (lm_head) stay as they are, unused
+        rename = {k: k.removeprefix(dot) for k in keys}
+    else:
+        rename = {k: dot + k for k in keys}
+    # Only where it names the model's tensors (a VLM's `language_model.model.` keys, which
+    # transformers' conversion renames, are not its base model's), and names each once.
+    if names.isdisjoint(rename.values()) or len(set(rename.values())) != len(rename):
+        return ckpt, {}
+    entries = {rename[k]: dataclasses.replace(e, key=rename[k]) for k, e in ckpt.entries.items()}
+    unreadable = {rename[k]: d for k, d in ckpt.unreadable.items()}
+    renamed = Checkpoint(ckpt.root, ckpt.files, entries, unreadable)
+    return renamed, {new: old for old, new in rename.items() if new != old}
+
+
+def _check_writable(targets: list[Target]) -> None:
+    """Before any read: every materialized tensor the load copies into must take an in-place
+    copy, or a failure halfway through the copies would leave the model partly loaded."""
+    for target in targets:
+        local = local_tensor(target.tensor)
+        why = None
+        if local.is_inference() and not torch.is_inference_mode_enabled():
+            why = (
+                "is an inference tensor (made under torch.inference_mode()), which cannot be "
+                "written outside inference mode: call load_sharded under inference mode too, or "
+                "rebuild the model outside it"
+            )
+        elif torch._debug_has_internal_overlap(local) == 1:
+            why = (
+                "has elements that share memory (an expanded or stride-0 tensor), which an "
+                "in-place copy cannot fill: make it contiguous (.clone()) before loading"
+            )
+        if why:
+            raise LoadError(f"load_sharded: model tensor {target.name!r} {why}; nothing was read")
 
 
 def _owned_by_transformers(model: nn.Module, name: str) -> bool:
@@ -96,12 +166,12 @@ def _owned_by_transformers(model: nn.Module, name: str) -> bool:
     return any(c.__module__.startswith("transformers.") for c in type(owner).__mro__)
 
 
-def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:
-    """A model tensor found only as MXFP4 `{name}_blocks` while no quantization_config says
+def _refuse_unconfigured_mxfp4(name: str, keys: list[str], ckpt, quant_cfg) -> None:
+    """A model tensor found only as MXFP4 `{key}_blocks` while no quantization_config says
     mxfp4: name the keys and the missing config (not 'no checkpoint key')."""
-    for name in names:
-        blocks = f"{name}_blocks"
-        if blocks in ckpt and f"{name}_scales" in ckpt:
+    for key in keys:
+        blocks = f"{key}_blocks"
+        if blocks in ckpt and f"{key}_scales" in ckpt:
             said = (
                 "no config.json quantization_config says so"
                 if quant_cfg is None
@@ -109,7 +179,7 @@ def _refuse_unconfigured_mxfp4(names: list[str], ckpt, quant_cfg) -> None:
             )
             raise LoadError(
                 f"{ckpt[blocks].path}: model tensor {name!r} is stored as MXFP4 ({blocks!r}, "
-                f"'{name}_scales') but {said}; an MXFP4 checkpoint's config.json needs "
+                f"'{key}_scales') but {said}; an MXFP4 checkpoint's config.json needs "
                 '"quantization_config": {"quant_method": "mxfp4"}'
             )
 
@@ -275,6 +345,7 @@ def load_sharded(
         )
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
+    ckpt, key_names = _align_base_prefix(model, ckpt)
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
@@ -292,11 +363,12 @@ def load_sharded(
     for target in targets:
         shape = tuple(target.tensor.shape)
         hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
+        keys = mapped_keys(target.names, key_map)
         if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
             hf_layout = _owned_by_transformers(model, target.names[0])
-            target.pieces = mxfp4_pieces(target.names, shape, ckpt, hf_layout)
+            target.pieces = mxfp4_pieces(target.name, keys, shape, ckpt, hf_layout)
         elif not target.pieces:
-            _refuse_unconfigured_mxfp4(target.names, ckpt, quant_cfg)
+            _refuse_unconfigured_mxfp4(target.name, keys, ckpt, quant_cfg)
         if not target.pieces:
             missing.append(target.name)
             continue
@@ -315,8 +387,9 @@ def load_sharded(
             f"{ckpt.root}: no checkpoint key for {len(missing)} tensor(s) of the model "
             f"({on_meta} of them on meta): {shown}. Pass key_map= to name their keys, or "
             "strict=False to load the rest and list these in report.missing (left as they are: "
-            "on meta, or with their current values)."
+            f"on meta, or with their current values).{_unreadable_note(ckpt)}"
         )
+    _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
 
     direct = [t for t in todo if t.device.type == "cpu" and t.read_dtype == t.tensor.dtype]
@@ -324,9 +397,10 @@ def load_sharded(
     quant_bytes = sum(int(t.quant.rows[:, 4].sum()) for t in quantized)
     bar = Progress(sum(t.read_bytes for t in todo) + quant_bytes, progress)
     try:
-        nread = read_direct(direct, paths, threads, bar)
-        nread += read_staged(staged, paths, threads, bar)
-        qbytes, sbytes = read_quantized(quantized, paths, threads, bar)
+        files = list(ckpt.files.values())
+        nread = read_direct(direct, files, threads, bar)
+        nread += read_staged(staged, files, threads, bar)
+        qbytes, sbytes = read_quantized(quantized, files, threads, bar)
         nread += qbytes + sbytes
     except BaseException as e:
         for t in todo + quantized:
@@ -350,7 +424,9 @@ def load_sharded(
         files_opened=len(files_read),
         seconds=seconds,
         gbps=nread / seconds / 1e9 if seconds > 0 else 0.0,
-        unused_keys=sorted(set(ckpt.entries) - used),
+        unused_keys=sorted(
+            key_names.get(k, k) for k in (set(ckpt.entries) | set(ckpt.unreadable)) - used
+        ),
         missing=missing,
         tensors_loaded=len(todo),
         headers_parsed=len(paths),

@@ -94,17 +94,29 @@ def fp8_scale_key(key: str) -> str:
     )
 
 
+def _fp8_scale_names(key: str) -> list[str]:
+    """Where the scales of fp8 tensor `key` are found in the formats that write them."""
+    return [fp8_scale_key(key), f"{key}_scale", f"{key}_scale_inv"]
+
+
 def mxfp4_pieces(
-    names: list[str], shape: tuple[int, ...], ckpt: Checkpoint, transposed: bool = False
+    name: str,
+    keys: list[str],
+    shape: tuple[int, ...],
+    ckpt: Checkpoint,
+    transposed: bool = False,
 ) -> list[Piece]:
-    """A model tensor stored as `{name}_blocks` / `{name}_scales`: one piece, in the dequantized
-    shape `[..., R, 32 G]`, whose entry is the blocks tensor. [] if there are no such keys.
-    transposed: the model tensor is `[..., 32 G, R]` (transformers' gpt-oss experts, which
-    `convert_moe_packed_tensors` fills with the dequantized tensor's last two dims swapped)."""
-    if transposed:
+    """Model tensor `name`, stored as `{key}_blocks` / `{key}_scales` for one of `keys` (its
+    names, or what key_map makes of them): one piece, in the dequantized shape `[..., R, 32 G]`,
+    whose entry is the blocks tensor. [] if there are no such keys. transposed: the model tensor
+    is `[..., 32 G, R]` (transformers' gpt-oss experts, which `convert_moe_packed_tensors` fills
+    with the dequantized tensor's last two dims swapped)."""
+    if transposed and len(shape) >= 2:  # a 1-D tensor never matches MXFP4 blocks (>= 2-D)
         shape = shape[:-2] + (shape[-1], shape[-2])
-    for name in names:
-        blocks = f"{name}_blocks"
+    else:
+        transposed = False
+    for key in keys:
+        blocks = f"{key}_blocks"
         if blocks not in ckpt:
             continue
         entry = ckpt[blocks]
@@ -201,8 +213,11 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
     if cfg is None or (cfg.method == "fp8") != (quant[0].entry.dtype in FP8_DTYPES):
         e = quant[0].entry
         scale = fp8_scale_key(e.key) if e.dtype in FP8_DTYPES else e.key[:-7] + "_scales"
-        if cfg is None and scale not in ckpt:
-            return False  # an fp8 checkpoint without scales: a plain cast, as for bf16
+        if cfg is None and e.dtype in FP8_DTYPES:
+            # DeepSeek's `weight_scale_inv`, or compressed-tensors' / ModelOpt's `weight_scale`
+            scale = next((k for k in _fp8_scale_names(e.key) if k in ckpt), None)
+            if scale is None:
+                return False  # an fp8 checkpoint without scales: a plain cast, as for bf16
         said = "no config.json quantization_config says so" if cfg is None else ""
         said = said or f"{cfg.source} says quant_method {cfg.method!r}"
         raise LoadError(

@@ -12,6 +12,7 @@ import torch
 
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.plan import Target, clip
+from grouped_ep.loading.safetensors import SafetensorsFile
 
 _CALL_BYTES = 1 << 30  # bytes per native call: the progress bar's granularity
 _STAGING_BYTES = 128 << 20  # cast / host-to-device staging (two buffers of half for CUDA)
@@ -61,17 +62,24 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def read_ranges(paths: list[str], outs: list[torch.Tensor], rows: np.ndarray, threads: int) -> int:
-    """One native call: rows [N, 5] = (file, out, src, dst, length)."""
+def read_ranges(
+    files: list[SafetensorsFile], outs: list[torch.Tensor], rows: np.ndarray, threads: int
+) -> int:
+    """One native call: rows [N, 5] = (file, out, src, dst, length). A file that is no longer the
+    one whose header was read (replaced or rewritten since) is refused before it is read."""
     if len(rows) == 0:
         return 0
+    paths = [f.path for f in files]
+    expect = [v for f in files for v in f.identity] if all(f.identity for f in files) else None
     try:
-        return torch.ops.grouped_ep.read_ranges(paths, outs, torch.from_numpy(rows), threads)
+        return torch.ops.grouped_ep.read_ranges(
+            paths, outs, torch.from_numpy(rows), threads, expect
+        )
     except RuntimeError as e:
         raise LoadError(str(e).split("\n")[0]) from None
 
 
-def read_direct(targets, paths, threads, progress) -> int:
+def read_direct(targets, files, threads, progress) -> int:
     """Targets read as-is into fresh CPU tensors, in file order, in native calls of about 1 GiB
     each (the reader sorts each call's ranges by file offset and merges the ones that touch)."""
     batches: list[list[Target]] = [[]]
@@ -88,13 +96,13 @@ def read_direct(targets, paths, threads, progress) -> int:
         for j, target in enumerate(batch):
             target.fresh = torch.empty(target.local_shape, dtype=target.read_dtype)
             rows.append(np.insert(target.rows, 1, j, axis=1))
-        n = read_ranges(paths, [t.fresh for t in batch], np.concatenate(rows), threads)
+        n = read_ranges(files, [t.fresh for t in batch], np.concatenate(rows), threads)
         total += n
         progress.add(n)
     return total
 
 
-def read_staged(targets, paths, threads, progress) -> int:
+def read_staged(targets, files, threads, progress) -> int:
     """Targets that need a cast or live on a GPU: windows of their local tensor go through a
     staging buffer (pinned and double-buffered for CUDA), then `copy_` casts / uploads them."""
     if not targets:
@@ -137,7 +145,7 @@ def read_staged(targets, paths, threads, progress) -> int:
             r = clip(target.rows, b * item, e * item)
             r[:, 2] += off
             rows.append(np.insert(r, 1, 0, axis=1))
-        n = read_ranges(paths, [buf], np.concatenate(rows), threads)
+        n = read_ranges(files, [buf], np.concatenate(rows), threads)
         total += n
         progress.add(n)
         for target, b, e, off in fill:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,9 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
 }
 if hasattr(torch, "float8_e8m0fnu"):  # DeepSeek-V3.1-style UE8M0 scales
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
@@ -65,6 +69,21 @@ class SafetensorsFile:
     data_start: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str] = field(default_factory=dict)
+    # (st_dev, st_ino, st_size, st_mtime_ns) when the header was read, as int64: the native
+    # reader refuses a file that no longer matches (replaced or rewritten since).
+    identity: tuple[int, int, int, int] | None = None
+    # Keys whose dtype this loader does not know (a newer format), with that dtype: listed as
+    # unused when the model does not need them, an error naming them when it does.
+    unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def _int64(v: int) -> int:
+    """An unsigned 64-bit stat field as the int64 C++ reads it."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (_int64(st.st_dev), _int64(st.st_ino), st.st_size, st.st_mtime_ns)
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -86,8 +105,13 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
     """
     path = str(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a named pipe (or other special file) is refused below, not waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb", closefd=True) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise LoadError(f"{path}: is not a regular file, expected a .safetensors file")
+            size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise LoadError(
@@ -128,14 +152,15 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise LoadError(f"{path}: __metadata__ must be an object of strings, got {metadata!r:.80}")
     tensors: dict[str, TensorEntry] = {}
+    unreadable: dict[str, str] = {}
     spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         where = f"{path}: tensor {key!r}"
         if not isinstance(info, dict):
             raise LoadError(f"{where}: header entry must be an object, got {info!r:.80}")
         dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            raise LoadError(f"{where}: unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
+        if not isinstance(dtype_name, str):
+            raise LoadError(f"{where}: dtype must be a string, got {dtype_name!r:.80}")
         if not isinstance(shape, list) or not all(is_int(s) and s >= 0 for s in shape):
             raise LoadError(
                 f"{where}: shape must be a list of non-negative ints, got {shape!r:.80}"
@@ -154,7 +179,11 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
                 f"{where}: data_offsets [{begin}, {end}] out of range: the data section has "
                 f"{data_size} bytes (truncated file?)"
             )
-        dtype = DTYPES[dtype_name]
+        spans.append((begin, end, key))
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None:  # its bytes are accounted for by the tiling check below
+            unreadable[key] = dtype_name
+            continue
         want = math.prod(shape) * dtype.itemsize
         if end - begin != want:
             raise LoadError(
@@ -162,7 +191,6 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
                 f"{shape} of {dtype_name} needs {want}"
             )
         tensors[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin)
-        spans.append((begin, end, key))
 
     spans.sort()
     pos, prev_key = 0, None
@@ -182,7 +210,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
             f"{path}: tensors end at data byte {pos} but the file has {data_size} data bytes "
             "(trailing bytes or wrong header)"
         )
-    return SafetensorsFile(path, size, data_start, tensors, metadata)
+    return SafetensorsFile(path, size, data_start, tensors, metadata, _identity(st), unreadable)
 
 
 @dataclass
@@ -192,6 +220,7 @@ class Checkpoint:
     root: str
     files: dict[str, SafetensorsFile]
     entries: dict[str, TensorEntry]
+    unreadable: dict[str, str] = field(default_factory=dict)  # key -> unknown dtype name
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -252,8 +281,8 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
         elif (path / INDEX_NAME).is_file():
             index_path = path / INDEX_NAME
         else:
-            indexes = sorted(path.glob("*.safetensors.index.json"))
-            files = sorted(path.glob("*.safetensors"))
+            indexes = sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
+            files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
             if len(indexes) == 1:
                 index_path = indexes[0]
             elif not indexes and len(files) == 1:
@@ -274,16 +303,19 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
         index_path = path
     elif path.is_file():
         single = path
+    elif path.exists():
+        raise LoadError(f"{path}: is not a regular file, expected a .safetensors file")
     else:
         raise LoadError(f"{path}: checkpoint not found")
 
     files: dict[str, SafetensorsFile] = {}
     entries: dict[str, TensorEntry] = {}
+    unreadable: dict[str, str] = {}
     if single is not None:
         header = read_header(single)
         files[header.path] = header
         entries.update(header.tensors)
-        return Checkpoint(str(path), files, entries)
+        return Checkpoint(str(path), files, entries, dict(header.unreadable))
 
     weight_map = _read_index(index_path)
     base = index_path.parent
@@ -303,9 +335,12 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
                 )
             files[file_path] = read_header(file_path)
         header = files[file_path]
+        if key in header.unreadable:
+            unreadable[key] = header.unreadable[key]
+            continue
         if key not in header.tensors:
             raise LoadError(
                 f"{file_path}: missing key {key!r}, which {index_path.name} places there"
             )
         entries[key] = header.tensors[key]
-    return Checkpoint(str(path), files, entries)
+    return Checkpoint(str(path), files, entries, unreadable)
