@@ -328,12 +328,10 @@ def fully_shard_moe(
     for module in experts:
         _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
-        local = module.num_experts // ep
-        placement = Shard(0) if local % dp == 0 else Shard(1)
         fully_shard(
             module,
             mesh=dp_mesh,
-            shard_placement_fn=lambda _p, s=placement: s,
+            shard_placement_fn=_expert_placement(module.num_experts // ep, dp),
             **_single_rank_reduce(module, dp, kwargs),
         )
         module.set_gradient_divide_factor(float(dp * ep))
@@ -353,6 +351,20 @@ def fully_shard_moe(
     fully_shard(model, mesh=flat_mesh, **kwargs)
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
     return model
+
+
+def _expert_placement(local: int, dp: int):
+    """How FSDP shards an experts module's stacked weights over `dp`: on dim 0 (the experts)
+    where dp divides the local expert count, else on dim 1 where dp divides that (each rank
+    keeps every expert's rows), else on dim 0 unevenly (FSDP2 pads only dim 0; uneven dim 1
+    is its NotImplementedError)."""
+
+    def placement(param: torch.Tensor) -> Shard:
+        if local % dp == 0 or param.dim() < 2 or param.shape[1] % dp != 0:
+            return Shard(0)
+        return Shard(1)
+
+    return placement
 
 
 def _single_rank_reduce(module: nn.Module, dp: int, kwargs: dict) -> dict:

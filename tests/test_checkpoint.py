@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _ckpt_helpers import tiny_mixtral_config
@@ -230,8 +231,19 @@ def test_checkpoint_keys_the_model_lacks_are_refused(tmp_path: Path) -> None:
     bigger_opt.step()
     ck.save(tmp_path / "b", bigger, bigger_opt, step=1)
     del bigger.extra
-    with pytest.raises(ck.CheckpointError, match=r"optim.state.extra.exp_avg"):
+    with pytest.raises(ck.CheckpointError, match=r"no place for: .*optim.state.extra.exp_avg"):
         ck.load(tmp_path / "b", bigger, torch.optim.AdamW(bigger.parameters(), lr=0.1))
+    # A parameter the model has and the optimizer does not (frozen on resume): the optimizer is
+    # named, not the model.
+    ck.save(tmp_path / "c", *_trained(), step=1)
+    frozen, _ = _trained(seed=1)
+    opt_without = torch.optim.AdamW([frozen.experts], lr=0.1)
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"optimizer state for \d+ key\(s\) of parameters the model has but the optimizer "
+        r"does not hold .*optim\.state\.dense\.weight\.exp_avg.*Build the optimizer over",
+    ):
+        ck.load(tmp_path / "c", frozen, opt_without)
 
 
 def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
@@ -277,8 +289,15 @@ def test_save_clears_saves_that_died_and_refuses_bool_arguments(tmp_path: Path) 
         ck.save(tmp_path, model, keep_last=True)
     with pytest.raises(ck.CheckpointError, match="step must be a non-negative int"):
         ck.save(tmp_path, model, step=True)
-    # extra["step"] that is not an int (a bool) does not name the step: the next one is taken.
-    assert ck.save(tmp_path, model, extra={"step": True}).name == "step-00000004"
+    # extra["step"] names the step as step= does; one that cannot (a bool, a float) is refused,
+    # not ignored (the next number was taken, and keep_last then removed the wrong steps).
+    for bad in (True, 4.0, torch.tensor(4.0), "4"):
+        with pytest.raises(ck.CheckpointError, match=r'save: extra\["step"\] must be a non-neg'):
+            ck.save(tmp_path, model, extra={"step": bad})
+    # numpy ints and integer tensors, as training loops keep the step, name it.
+    assert ck.save(tmp_path, model, extra={"step": np.int64(7)}).name == "step-00000007"
+    assert ck.save(tmp_path, model, extra={"step": torch.tensor(8)}).name == "step-00000008"
+    assert ck.save(tmp_path, model, step=np.int32(9)).name == "step-00000009"
 
 
 def test_fresh_optimizer_is_not_stepped_by_save_or_failed_load(tmp_path: Path) -> None:

@@ -80,13 +80,24 @@ def test_keep_last_removes_older_steps_never_latest(tmp_path: Path) -> None:
     ck.save(tmp_path, model, step=4, keep_last=2, async_save=True).result()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step-00000003", "step-00000004"], names
-    # Saving an older step number makes it the latest: keep_last=1 keeps it all the same.
-    ck.save(tmp_path, model, step=2, keep_last=1)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["latest", "step-00000002", "step-00000004"], names
-    assert ck.resolve(tmp_path).name == "step-00000002"
     with pytest.raises(ck.CheckpointError, match="keep_last"):
         ck.save(tmp_path, model, keep_last=0)
+
+
+def test_keep_last_after_a_rollback_keeps_the_run_going_on(tmp_path: Path) -> None:
+    """Steps 100, 200, 300; a resume from 200 then saves 210, 220, 230 with keep_last=2. The
+    abandoned step 300 counted among the last two: it stayed, and the rollback point 200 went
+    at the first save. Steps above the one saved are now kept, uncounted, with a warning."""
+    model = Small()
+    for step in (100, 200, 300):
+        ck.save(tmp_path, model, step=step)
+    want = {210: [200, 210], 220: [210, 220], 230: [220, 230]}
+    for step, kept in want.items():
+        with pytest.warns(UserWarning, match=rf"step-00000300 .* is above step-{step:08d}"):
+            ck.save(tmp_path, model, extra={"step": step}, keep_last=2)
+        names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+        assert names == [f"step-{s:08d}" for s in [*kept, 300]], names
+        assert ck.resolve(tmp_path).name == f"step-{step:08d}"
 
 
 def _failing_write(self, plan, planner):

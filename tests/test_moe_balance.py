@@ -170,6 +170,26 @@ def _train_skewed(gamma: float | None, steps: int = 200) -> tuple[float, float]:
     return (first.max() / first.mean()).item(), (last.max() / last.mean()).item()
 
 
+def test_loading_a_state_dict_drops_counts_of_earlier_forwards(tmp_path):
+    """A warm-up training step before resuming: its token counts belong to no step of the
+    loaded run, and the first update_expert_bias after the load moved the bias by them."""
+    from grouped_ep import checkpoint
+
+    moe, d = skewed_moe(expert_bias_gamma=0.1)
+    saved = copy.deepcopy(moe.state_dict())
+    checkpoint.save(tmp_path / "ckpt", moe)
+    x = torch.randn(40, 16) + d
+    for load in (
+        lambda: moe.load_state_dict(saved),
+        lambda: checkpoint.load(tmp_path / "ckpt", moe),
+    ):
+        moe(x).sum().backward()
+        assert moe.peek_load_counts().sum() == 40 * moe.top_k
+        load()
+        assert moe.peek_load_counts().sum() == 0
+        assert update_expert_bias(moe).sum() == 0 and not moe.expert_bias.any()
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_counts_each_token_once(use_reentrant):
     # The recompute in backward is a training forward with grad enabled: it counted again.

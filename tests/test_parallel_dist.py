@@ -51,9 +51,9 @@ class TinyMoELM(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(num_experts: int) -> TinyMoELM:
+def make_model(num_experts: int, hidden: int = 16) -> TinyMoELM:
     torch.manual_seed(0)
-    model = TinyMoELM(num_experts)
+    model = TinyMoELM(num_experts, hidden=hidden)
     with torch.no_grad():  # a router strong enough that routing changes while training
         for layer in model.layers:
             layer.moe.router.weight.mul_(4.0)
@@ -77,9 +77,9 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_reference(
-    num_experts: int, world: int, steps: int, clip: float | None = None
+    num_experts: int, world: int, steps: int, clip: float | None = None, hidden: int = 16
 ) -> tuple[list[float], dict, dict]:
-    model = make_model(num_experts)
+    model = make_model(num_experts, hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     losses, grads = [], {}
     for step_ids in batches(world, steps):
@@ -107,8 +107,9 @@ def _train_rank(
 
     mesh = make_mesh(dp, ep)
     out = {}
-    for num_experts in configs:
-        model = fully_shard_moe(make_model(num_experts), mesh)
+    for config in configs:
+        num_experts, hidden = (config, 16) if isinstance(config, int) else config
+        model = fully_shard_moe(make_model(num_experts, hidden), mesh)
         params = dict(model.named_parameters())
         not_dtensor = [n for n, p in params.items() if not isinstance(p, DTensor)]
         assert not not_dtensor, f"plain tensors after fully_shard_moe: {not_dtensor}"
@@ -135,22 +136,30 @@ def _train_rank(
             for n, p in params.items()
             if "experts" in n
         }
-        out[num_experts] = (losses, grads, state, placements)
+        out[config] = (losses, grads, state, placements)
     return out if rank == 0 else None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dp,ep,configs,clip",
-    [(1, 2, [4], None), (2, 2, [4, 2], None), (1, 2, [4], 0.5)],
-    ids=["world2_dp1_ep2", "world4_dp2_ep2_experts4_and_2", "world2_dp1_ep2_clip_grad_norm"],
+    [(1, 2, [4], None), (2, 2, [4, 2], None), (1, 2, [4], 0.5), (2, 1, [(3, 13)], None)],
+    ids=[
+        "world2_dp1_ep2",
+        "world4_dp2_ep2_experts4_and_2",
+        "world2_dp1_ep2_clip_grad_norm",
+        # 3 experts over dp 2: FSDP on dim 1, except down_proj [3, 13, 24], whose dim 1 is odd
+        # (torch's NotImplementedError "uneven sharding on dim 1" mid-way, before): dim 0.
+        "world2_dp2_experts3_hidden13",
+    ],
 )
 def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip):
     steps, world = 10, dp * ep
     got = run_ranks(_train_rank, world, dp, ep, configs, steps, clip, timeout=TIMEOUT)[0]
-    for num_experts in configs:
-        losses, grads, state, placements = got[num_experts]
-        ref_losses, ref_grads, ref_state = train_reference(num_experts, world, steps, clip)
+    for config in configs:
+        num_experts, hidden = (config, 16) if isinstance(config, int) else config
+        losses, grads, state, placements = got[config]
+        ref_losses, ref_grads, ref_state = train_reference(num_experts, world, steps, clip, hidden)
         if clip is not None:  # grouped_ep.parallel.clip_grad_norm_ against torch's, every step
             norms, ref_norms = grads.pop("total_norm"), ref_grads.pop("total_norm")
             torch.testing.assert_close(
@@ -167,9 +176,10 @@ def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip):
         for name, ref in ref_state.items():
             torch.testing.assert_close(state[name], ref, atol=TOL, rtol=0, msg=name)
         local = num_experts // ep
-        fsdp_dim = 0 if local % dp == 0 else 1
         assert len(placements) == 4
         for name, (mesh_dims, dims) in placements.items():
+            rows = ref_state[name].shape[1]
+            fsdp_dim = 0 if local % dp == 0 or rows % dp else 1
             # FSDP over dp on dim 0 or 1, experts split over ep on dim 0
             assert mesh_dims == ("dp", "ep") and dims == (fsdp_dim, 0), (name, mesh_dims, dims)
 

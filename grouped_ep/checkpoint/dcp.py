@@ -30,6 +30,7 @@ rank, the overlap of the saved chunks with that rank's shard.
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 import time
@@ -38,6 +39,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -118,6 +120,22 @@ def _remove_partial(tmp: Path, root: Path) -> str:
 # ---- save / load --------------------------------------------------------------------------------
 
 
+def _as_step(value: object, name: str) -> int:
+    """A step number given as an int, a numpy int or an integer 0-d tensor (as training loops
+    keep it), as an int; anything else a CheckpointError naming `name` (a float or a tensor
+    step silently ignored numbered the checkpoint after the newest one in the root)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        value = int(value)
+    if not is_int(value) or value < 0:
+        raise CheckpointError(
+            f"save: {name} must be a non-negative int (it names the checkpoint), got "
+            f"{value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
 def save(
     root: str | os.PathLike,
     model: nn.Module,
@@ -140,8 +158,9 @@ def save(
         optimizer: an optimizer over `model`'s parameters, or None.
         extra: user state of this rank (step, RNG states, scheduler state dict, ...), written
             with torch.save per rank and returned by `load`.
-        step: the step number in the directory name. Default: `extra["step"]` when that is an
-            int, else one more than the highest step already in `root`.
+        step: the step number in the directory name (an int, a numpy int or an integer 0-d
+            tensor). Default: `extra["step"]` when it is set (of those types, else a
+            CheckpointError), else one more than the highest step already in `root`.
         async_save: copy the state to CPU memory, return, and write it in the background
             (`torch.distributed.checkpoint.async_save`, on a gloo group of its own). Training may
             change the parameters right away. `latest` moves only after every rank finished.
@@ -154,10 +173,10 @@ def save(
     """
     background.wait_pending("save")
     root = Path(root)
-    if step is None and extra is not None and is_int(extra.get("step")):
-        step = extra["step"]
-    if step is not None and (not is_int(step) or step < 0):
-        raise CheckpointError(f"save: step must be a non-negative int, got {step!r}")
+    if step is None and extra is not None and extra.get("step") is not None:
+        step = _as_step(extra["step"], 'extra["step"]')
+    elif step is not None:
+        step = _as_step(step, "step")
     if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
 

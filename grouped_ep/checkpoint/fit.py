@@ -98,16 +98,30 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
         parts = key.split(".")  # flattens nested dicts into dotted keys)
         return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
 
-    extra = []
+    extra, orphans = [], []
     for key in info.metadata.state_dict_metadata:
         if key.startswith("model.") and not under(key, model_keys):
             extra.append(key)
         elif "optim" in state and key.startswith("optim.state.") and not under(key, params):
-            extra.append(key)
+            # the model has the parameter, the optimizer does not (frozen, or left out of it)
+            in_model = under("model." + key[len("optim.state.") :], model_keys)
+            (orphans if in_model else extra).append(key)
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(sorted(keys)[:20]) + (" ..." if len(keys) > 20 else "")
+
     if extra:
-        shown = ", ".join(sorted(extra)[:20]) + (" ..." if len(extra) > 20 else "")
         raise CheckpointError(
-            f"checkpoint {info.path} has {len(extra)} key(s) the model has no place for: {shown}"
+            f"checkpoint {info.path} has {len(extra)} key(s) the model has no place for: "
+            f"{show(extra)}"
+        )
+    if orphans:
+        raise CheckpointError(
+            f"checkpoint {info.path} has optimizer state for {len(orphans)} key(s) of "
+            f"parameters the model has but the optimizer does not hold (frozen, or left out of "
+            f"its parameter groups): {show(orphans)}. Build the optimizer over the same "
+            "parameters as the run that saved, or load without the optimizer "
+            "(optimizer=None) and build a new one"
         )
 
 

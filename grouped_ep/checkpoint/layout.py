@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +161,10 @@ def restore_swapped_out(root: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove all but the `keep_last` complete steps of the highest step numbers; never the one
-    `latest` names.
+    """Remove all but the `keep_last` complete steps of the highest step numbers up to the one
+    `latest` names (never that one). Steps above it were saved by a run that a resume from an
+    earlier step abandoned: they are neither counted nor removed (counted, they pushed out the
+    steps of the run going on, its rollback point first), and a warning names them.
 
     Each removed directory is first renamed to a `.tmp-` name (one atomic step), so a crash
     while deleting never leaves a half-deleted `step-N` that looks complete. Returns the
@@ -172,8 +175,18 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     steps = complete_steps(root)
     latest = root / LATEST_FILE
     current = latest.read_text().strip() if latest.is_file() else None
+    now = next((s for s, p in steps.items() if p.name == current), None)
+    above = sorted(s for s in steps if now is not None and s > now)
+    if above:
+        warnings.warn(
+            f"keep_last={keep_last}: {', '.join(steps[s].name for s in above)} in {root} "
+            f"{'is' if len(above) == 1 else 'are'} above {current}, which was just saved (a run "
+            "resumed from an earlier step?): kept, and not counted among the last "
+            f"{keep_last}; remove {'it' if len(above) == 1 else 'them'} by hand if abandoned",
+            stacklevel=3,
+        )
     removed = []
-    for s in sorted(steps)[:-keep_last]:
+    for s in sorted(set(steps) - set(above))[:-keep_last]:
         path = steps[s]
         if path.name == current:
             continue

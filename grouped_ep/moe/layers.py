@@ -259,6 +259,9 @@ class MoE(nn.Module):
         if isinstance(bias, torch.Tensor) and bias.is_floating_point():
             state_dict[key] = bias.to(torch.float32)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # Tokens counted by forwards before the load (a warm-up step) belong to no step of the
+        # loaded run: kept, the first update_expert_bias would move the bias by them.
+        self._load_counts = None
 
     def _apply(self, fn, recurse=True):
         # `expert_bias` stays fp32 through `.to(dtype)`, `.bfloat16()`, ...: its steps of gamma
