@@ -635,6 +635,23 @@ def test_a_named_pipe_in_the_checkpoint_folder_is_not_waited_on(tmp_path):
     os.mkfifo(other / "b.safetensors")
     write_index(other, {"m.norm": "a.safetensors", "m.experts.down_proj": "b.safetensors"})
     _expect(r"'b\.safetensors'.* is not a regular file", _fused_model(), other)
+    os.mkfifo(tmp_path / "x.safetensors.index.json")  # named directly
+    _expect(
+        r"x\.safetensors\.index\.json: is not a regular file",
+        _fused_model(),
+        tmp_path / "x.safetensors.index.json",
+    )
+
+
+def test_modification_times_past_2262_and_before_1970(tmp_path):
+    """The file identity holds st_mtime_ns, which past 2262 does not fit an int64: it wraps on
+    both sides (it was torch's argument error, naming neither file nor cause)."""
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    for ns in (10**19, -(10**18)):
+        os.utime(tmp_path / "model.safetensors", ns=(ns, ns))
+        model = _fused_model()
+        load_sharded(model, tmp_path)
+        assert torch.equal(model.m.norm, _fused_state()["m.norm"])
 
 
 def test_checkpoint_not_found(tmp_path):

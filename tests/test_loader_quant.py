@@ -657,6 +657,12 @@ def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
         for k, v in got.items():
             _exact(v, want[k], k)
         return
+    # A key_map of the user's keeps the file's names (it used to be the only way to do this).
+    with torch.device("meta"):
+        model = GptOssModel(cfg).float()
+    load_sharded(model, tmp_path / "ckpt", device="cpu", key_map=lambda n: f"model.{n}")
+    for k, v in model.state_dict().items():
+        _exact(v, want[f"model.{k}"], k)
     base = GptOssModel(cfg).float()
     base.save_pretrained(tmp_path / "base")
     with torch.device("meta"):
@@ -665,3 +671,23 @@ def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
     assert report.missing == ["lm_head.weight"] and report.unused_keys == []
     for k, v in base.state_dict().items():
         _exact(model.state_dict()[f"model.{k}"], v, k)
+
+
+def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path):
+    """An fp8 model tensor takes the codes as they are, next to its own `weight_scale` (an fp8
+    inference module): not refused as 'quantized without a config', as a bf16 model is."""
+
+    class FP8Linear(torch.nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            w = torch.randn(8, 8, generator=g).to(torch.float8_e4m3fn)
+            self.weight = torch.nn.Parameter(w, requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(torch.rand(1, generator=g), requires_grad=False)
+
+    save_file(dict(FP8Linear(0).state_dict()), str(tmp_path / "model.safetensors"))
+    model = FP8Linear(1)
+    load_sharded(model, tmp_path)
+    want = FP8Linear(0)
+    assert torch.equal(model.weight.view(torch.uint8), want.weight.view(torch.uint8))
+    assert torch.equal(model.weight_scale, want.weight_scale)

@@ -179,10 +179,17 @@ def test_loading_a_state_dict_drops_counts_of_earlier_forwards(tmp_path):
     saved = copy.deepcopy(moe.state_dict())
     checkpoint.save(tmp_path / "ckpt", moe)
     x = torch.randn(40, 16) + d
-    for load in (
+    from safetensors.torch import save_file
+
+    import grouped_ep
+
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    loads = (
         lambda: moe.load_state_dict(saved),
         lambda: checkpoint.load(tmp_path / "ckpt", moe),
-    ):
+        lambda: grouped_ep.load_sharded(moe, tmp_path / "model.safetensors"),
+    )
+    for load in loads:
         moe(x).sum().backward()
         assert moe.peek_load_counts().sum() == 40 * moe.top_k
         load()

@@ -144,8 +144,10 @@ class Files {
     struct stat st {};
     GE_CHECK(::fstat(fd, &st) == 0, "read_ranges: cannot stat ", path, ": ",
              std::strerror(errno));
-    const int64_t mtime_ns =
-        static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    // Wraps modulo 2^64 (unsigned arithmetic: no overflow), as the caller's value does.
+    const auto mtime_ns = static_cast<int64_t>(
+        static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ULL +
+        static_cast<uint64_t>(st.st_mtim.tv_nsec));
     const bool same = static_cast<int64_t>(st.st_dev) == want[0] &&
                       static_cast<int64_t>(st.st_ino) == want[1] &&
                       static_cast<int64_t>(st.st_size) == want[2] && mtime_ns == want[3];

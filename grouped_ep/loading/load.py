@@ -345,7 +345,9 @@ def load_sharded(
         )
     paths = list(ckpt.files)
     file_ids = {p: i for i, p in enumerate(paths)}
-    ckpt, key_names = _align_base_prefix(model, ckpt)
+    # A key_map of the user's names the file's own keys: the checkpoint keeps them.
+    user_keys = callable(key_map) or isinstance(key_map, Mapping)
+    ckpt, key_names = (ckpt, {}) if user_keys else _align_base_prefix(model, ckpt)
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
@@ -416,6 +418,9 @@ def load_sharded(
         target.fresh = None
     for module, name, value in buffers:
         module._buffers[name] = value
+    for module in model.modules():  # grouped_ep.moe.MoE: tokens counted before the load
+        if "_load_counts" in vars(module):  # belong to no step of the loaded run
+            module._load_counts = None
     files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
     seconds = time.perf_counter() - t0
     return LoadReport(

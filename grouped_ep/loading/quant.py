@@ -216,8 +216,10 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
         if cfg is None and e.dtype in FP8_DTYPES:
             # DeepSeek's `weight_scale_inv`, or compressed-tensors' / ModelOpt's `weight_scale`
             scale = next((k for k in _fp8_scale_names(e.key) if k in ckpt), None)
-            if scale is None:
-                return False  # an fp8 checkpoint without scales: a plain cast, as for bf16
+            if scale is None or target.tensor.dtype in FP8_DTYPES:
+                # no scales, or an fp8 model tensor that takes the codes as they are (the model
+                # holds its scales itself): a plain copy, as for bf16
+                return False
         said = "no config.json quantization_config says so" if cfg is None else ""
         said = said or f"{cfg.source} says quant_method {cfg.method!r}"
         raise LoadError(

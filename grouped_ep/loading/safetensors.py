@@ -83,7 +83,8 @@ def _int64(v: int) -> int:
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (_int64(st.st_dev), _int64(st.st_ino), st.st_size, st.st_mtime_ns)
+    # mtime in ns wraps modulo 2^64 as in C++ (a time past 2262 does not fit an int64)
+    return (_int64(st.st_dev), _int64(st.st_ino), st.st_size, _int64(st.st_mtime_ns % (1 << 64)))
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -299,7 +300,7 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
                     f"{path}: expected {INDEX_NAME} or a single .safetensors file, found "
                     f"{len(indexes)} index files and {len(files)} .safetensors files{hint}"
                 )
-    elif path.name.endswith(".index.json"):
+    elif path.name.endswith(".index.json") and path.is_file():
         index_path = path
     elif path.is_file():
         single = path
