@@ -766,3 +766,72 @@ def test_unit_first_gathered_under_inference_mode_after_training():
     """A forward outside inference mode marked the model primed, though it skipped a unit: the
     unit's first gather then ran under inference mode, and training failed for good."""
     assert run_ranks(_skipped_unit_then_inference, 2, timeout=150) == ["ok", "ok"]
+
+
+def test_legacy_expert_keys_are_probed_once_per_pattern_not_per_layer(tmp_path, monkeypatch):
+    """transformers saves Mixtral as per-expert `block_sparse_moe.experts.{e}.w1/w3/w2` keys; the
+    loader finds where each fused tensor lies by running that conversion on probes as large as
+    the tensor (a real-size layer: seconds and gigabytes). Layers after the first reuse the
+    first one's layout with the layer index changed; the load equals from_pretrained."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import grouped_ep.loading.keys as keys
+    from grouped_ep import load_sharded
+
+    cfg = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    probed = []
+    real = keys._probed_layout
+
+    def counting(model, name, shape, *args):
+        probed.append(name)
+        return real(model, name, shape, *args)
+
+    monkeypatch.setattr(keys, "_probed_layout", counting)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    report = load_sharded(model, tmp_path, device="cpu")
+    assert report.unused_keys == [] and report.missing == []
+    assert sorted(probed) == [
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.gate.weight",
+    ], probed
+    ref = MixtralForCausalLM.from_pretrained(tmp_path)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_model_from_a_fused_checkpoint_loads_a_per_expert_one(tmp_path):
+    """from_pretrained on a checkpoint of transformers v5's fused keys records no conversion on
+    the model (`_weight_conversions == []`); load_sharded then applied none, and a per-expert
+    (w1/w3/w2) Mixtral checkpoint was 'no checkpoint key'. The default conversions are tried."""
+    from safetensors.torch import save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from grouped_ep import load_sharded
+
+    cfg = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    fused = MixtralForCausalLM(cfg)
+    (tmp_path / "fused").mkdir()
+    state = {k: v.contiguous() for k, v in fused.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"))
+    cfg.save_pretrained(tmp_path / "fused")
+    torch.manual_seed(1)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "legacy")  # w1/w3/w2 per expert
+    model = MixtralForCausalLM.from_pretrained(tmp_path / "fused")
+    assert model._weight_conversions == []
+    load_sharded(model, tmp_path / "legacy")
+    ref = MixtralForCausalLM.from_pretrained(tmp_path / "legacy")
+    for name, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

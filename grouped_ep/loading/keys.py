@@ -56,6 +56,14 @@ def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=Non
     converted = converted_layout(model, name, shape) if model is not None else None
     if converted:
         layouts.append(converted)
+    if (not converted or not all(key in ckpt for key, *_ in converted)) and getattr(
+        model, "_weight_conversions", None
+    ) is not None:
+        # A model from from_pretrained keeps the conversions its own checkpoint needed (none
+        # for a checkpoint of fused keys): this one may need transformers' default ones.
+        default = converted_layout(model, name, shape, default_mapping=True)
+        if default and default != converted:
+            layouts.append(default)
     m = _EXPERT_PARAM.match(name)
     if m is None or len(shape) != 3 or shape[0] == 0:
         return layouts
@@ -119,13 +127,27 @@ def _own_class_names(model) -> Iterator[None]:
                 cls.__name__, cls.__qualname__, cls.__module__ = name, qualname, module
 
 
-def revert_conversion(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def revert_conversion(
+    model, state_dict: dict[str, torch.Tensor], default_mapping: bool = False
+) -> dict[str, torch.Tensor]:
     """transformers' save-time conversion (`revert_weight_conversion`, what `save_pretrained`
-    runs) of in-memory tensors to checkpoint keys, also for a model `fully_shard` has wrapped."""
+    runs) of in-memory tensors to checkpoint keys, also for a model `fully_shard` has wrapped.
+    default_mapping: transformers' default conversions for the model's type, not the ones a
+    `from_pretrained` recorded on it (`_weight_conversions`)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    recorded = model.__dict__.get("_weight_conversions", _NONE)
     with _own_class_names(model):
-        return revert_weight_conversion(model, state_dict)
+        if not default_mapping or recorded is _NONE:
+            return revert_weight_conversion(model, state_dict)
+        model.__dict__["_weight_conversions"] = None
+        try:
+            return revert_weight_conversion(model, state_dict)
+        finally:
+            model.__dict__["_weight_conversions"] = recorded
+
+
+_NONE = object()
 
 
 def conversion_groups(model, names: list[str]) -> list[list[str]]:
@@ -161,21 +183,25 @@ def conversion_groups(model, names: list[str]) -> list[list[str]]:
         return singles
 
 
-_SOURCE = 1 << 40  # probe value = member index * _SOURCE + coordinate
-_PROBE_LIMIT = 1 << 31  # most probe bytes per dim (int64) before giving up on a conversion
+_PROBE_LIMIT = 1 << 31  # most probe bytes per dim before giving up on a conversion
 
 
 _MEMBERS_CACHE = "_grouped_ep_conversion_members"
+_LAYOUTS_CACHE = "_grouped_ep_converted_layouts"
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")  # a numeric component inside a name: a layer index
 
 
 @contextlib.contextmanager
 def conversions_cached(model) -> Iterator[None]:
-    """Within, `_conversion_members` works the model's conversion groups out once."""
+    """Within, `_conversion_members` works the model's conversion groups out once, and
+    `converted_layout` probes each layer's tensors once (see `_layout_for_layer`)."""
     model.__dict__[_MEMBERS_CACHE] = None
+    model.__dict__[_LAYOUTS_CACHE] = {}
     try:
         yield
     finally:
         model.__dict__.pop(_MEMBERS_CACHE, None)
+        model.__dict__.pop(_LAYOUTS_CACHE, None)
 
 
 def _conversion_members(model, name: str) -> dict[str, tuple[int, ...]] | None:
@@ -280,7 +306,44 @@ def _split_key_pieces(
     return None
 
 
-def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
+def converted_layout(
+    model, name: str, shape: tuple[int, ...], default_mapping: bool = False
+) -> Layout | None:
+    """`_probed_layout`, probed once per layer: transformers' conversions match names with any
+    layer index, so layer l's tensor of the same name pattern, shape and group lies where layer
+    0's does with the index changed. The layout of a tensor whose name holds a number (the last
+    one: `model.layers.7.`) is kept when all its keys start with the name up to that number;
+    another layer's is made from it by changing that prefix (a probe of a real-size expert stack
+    takes seconds and gigabytes: one per layer made a 48-layer load minutes long)."""
+    cache = model.__dict__.get(_LAYOUTS_CACHE)
+    found = list(_NUMBER.finditer(name))
+    if cache is None or not found or not is_transformers_model(model) or not shape:
+        return _probed_layout(model, name, shape, default_mapping)
+    prefix = name[: found[-1].end() + 1]
+    members = _conversion_members(model, name) or {name: shape}
+    group = tuple(sorted((_NUMBER.sub("#", n), tuple(s)) for n, s in members.items()))
+    slot = (_NUMBER.sub("#", name), tuple(shape), group, default_mapping)
+    if slot in cache:
+        old, layout = cache[slot]
+        return [(prefix + key[len(old) :], *rest) for key, *rest in layout]
+    layout = _probed_layout(model, name, shape, default_mapping)
+    if layout is not None and all(key.startswith(prefix) for key, *_ in layout):
+        cache[slot] = (prefix, layout)
+    return layout
+
+
+def _probe_dtype(most: int) -> torch.dtype:
+    """The smallest integer dtype holding values up to `most` (probes of a real-size expert stack
+    are as many elements as the stack: int16 takes a quarter of int64's memory)."""
+    for dtype in (torch.int16, torch.int32):
+        if most < torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def _probed_layout(
+    model, name: str, shape: tuple[int, ...], default_mapping: bool = False
+) -> Layout | None:
     """Where transformers' own save-time conversion puts the model tensor `name` on disk.
 
     Runs `revert_conversion` (what `save_pretrained` does) once per dim d on probes: `name`'s
@@ -297,18 +360,21 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     members = _conversion_members(model, name) or {name: shape}
     members[name] = shape
     nd = len(shape)
-    if len(members) > 1 and sum(math.prod(s) for s in members.values()) * 8 > _PROBE_LIMIT:
-        return None
+    # probe value = member index * source + coordinate; source: above every coordinate
+    source = 1 << max(max(s) for s in members.values() if s).bit_length()
+    dtype = _probe_dtype(len(members) * source)
+    if sum(math.prod(s) for s in members.values()) * dtype.itemsize > _PROBE_LIMIT:
+        return None  # too large to probe: the generic per-expert layouts, or key_map=
     probes = []
     for d in range(nd):
         view = [1] * nd
         view[d] = shape[d]
-        group = {name: torch.arange(shape[d], dtype=torch.int64).view(view).expand(shape)}
+        group = {name: torch.arange(shape[d], dtype=dtype).view(view).expand(shape)}
         for j, (other, other_shape) in enumerate(members.items()):
             if other != name:
-                group[other] = torch.full((), j * _SOURCE, dtype=torch.int64).expand(other_shape)
+                group[other] = torch.full((), j * source, dtype=dtype).expand(other_shape)
         try:
-            probes.append(revert_conversion(model, group))
+            probes.append(revert_conversion(model, group, default_mapping))
         except Exception:  # noqa: BLE001 (a conversion that cannot run on a probe)
             return None
     keys = list(probes[0])
@@ -318,7 +384,7 @@ def converted_layout(model, name: str, shape: tuple[int, ...]) -> Layout | None:
     for key in keys:
         if any(not isinstance(p[key], torch.Tensor) for p in probes):
             return None
-        mine = probes[0][key] < _SOURCE
+        mine = probes[0][key] < source
         if not bool(mine.any()):
             continue
         pieces = _key_pieces([p[key] for p in probes], mine, key, shape)
