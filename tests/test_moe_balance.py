@@ -398,6 +398,9 @@ def test_autocast_takes_activations_of_another_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = moe(x)
     torch.testing.assert_close(out.float(), moe(x.bfloat16()).float(), rtol=0.02, atol=0.02)
+    # autocast never casts float64: MoE's own error names x, not the router's matmul later
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="MoE: x"):
+        moe(x.double())
 
 
 def test_numpy_scalars_and_one_element_tensors_are_numbers():

@@ -305,7 +305,11 @@ class MoE(nn.Module):
         """x: `[..., H]` -> `[..., H]`, or `(out, RouterOutput)` with `return_router_outputs`."""
         shape = x.shape
         hidden = self.router.in_features
-        dtype_ok = x.dtype == self.router.weight.dtype or torch.is_autocast_enabled(x.device.type)
+        # Under autocast: any dtype autocast casts (it never casts float64).
+        dtype_ok = x.dtype == self.router.weight.dtype or (
+            torch.is_autocast_enabled(x.device.type)
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        )
         if x.dim() < 1 or shape[-1] != hidden or not dtype_ok:
             raise ValueError(
                 f"MoE: x must be [..., {hidden}] in the model's dtype "
