@@ -159,8 +159,9 @@ class _AllToAllHandle:
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
     """`all_to_all_single` with autograd; under inference mode, where torch 2.11 / 2.12 have no
     kernel for the autograd op ("Could not run '_c10d_functional_autograd::all_to_all_single'
-    with arguments from the 'CPU' backend"), the plain one."""
-    if torch.is_inference_mode_enabled():
+    with arguments from the 'CPU' backend"), the plain one. Not asked while torch.compile
+    traces (dynamo breaks the graph on the question): compiled, it is the autograd op."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         return funcol.all_to_all_single(x, out_splits, in_splits, group)
     return funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
 
