@@ -835,3 +835,24 @@ def test_model_from_a_fused_checkpoint_loads_a_per_expert_one(tmp_path):
     ref = MixtralForCausalLM.from_pretrained(tmp_path / "legacy")
     for name, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "bailing_hybrid"])
+def test_base_model_loads_its_head_models_checkpoint(name, tmp_path):
+    """A base model (AutoModel) from the checkpoint of its model with a head, as from_pretrained
+    loads it: keys with the base model's prefix stripped; for bailing_hybrid, whose conversions
+    match the prefixed keys themselves, the prefixed name through those conversions."""
+    from _hf_families import build, family
+
+    from grouped_ep import load_sharded
+
+    head = build(family(name))
+    head.save_pretrained(tmp_path)
+    base_class = type(head.base_model)
+    ref = base_class.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = base_class._from_config(head.config)
+    report = load_sharded(model, tmp_path, device="cpu")
+    assert report.unused_keys == ["lm_head.weight"]
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key

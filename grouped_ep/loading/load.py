@@ -137,6 +137,12 @@ def _align_base_prefix(model: nn.Module, ckpt):
     return renamed, {new: old for old, new in rename.items() if new != old}
 
 
+def _toggle_prefix(model: nn.Module, names: list[str]) -> list[str]:
+    """`names` with the base model's prefix stripped where they have it, else added."""
+    dot = f"{model.base_model_prefix}."
+    return [n.removeprefix(dot) if n.startswith(dot) else dot + n for n in names]
+
+
 def _check_writable(targets: list[Target]) -> None:
     """Before any read: every materialized tensor the load copies into must take an in-place
     copy, or a failure halfway through the copies would leave the model partly loaded."""
@@ -347,6 +353,7 @@ def load_sharded(
     file_ids = {p: i for i, p in enumerate(paths)}
     # A key_map of the user's names the file's own keys: the checkpoint keeps them.
     user_keys = callable(key_map) or isinstance(key_map, Mapping)
+    files_ckpt = ckpt  # the keys as the files name them
     ckpt, key_names = (ckpt, {}) if user_keys else _align_base_prefix(model, ckpt)
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
@@ -362,6 +369,17 @@ def load_sharded(
             target.pieces = resolve_pieces(
                 target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
             )
+            if not target.pieces and key_names:
+                # transformers' conversions that match the prefixed keys themselves: the names
+                # with the prefix added or stripped, against the keys as the files have them
+                target.pieces = resolve_pieces(
+                    _toggle_prefix(model, target.names),
+                    tuple(target.tensor.shape),
+                    files_ckpt,
+                    key_map,
+                    model=model,
+                )
+    renamed = {old: new for new, old in key_names.items()}  # file key -> key in `ckpt`
     for target in targets:
         shape = tuple(target.tensor.shape)
         hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
@@ -374,7 +392,7 @@ def load_sharded(
         if not target.pieces:
             missing.append(target.name)
             continue
-        used.update(p.entry.key for p in target.pieces)
+        used.update(renamed.get(p.entry.key, p.entry.key) for p in target.pieces)
         if is_quantized(quant_cfg, target, ckpt):
             plan_quant(target, quant_cfg, ckpt, file_ids, device, hf_layout)
             used.update(target.quant.scale_keys)
