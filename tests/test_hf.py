@@ -768,21 +768,27 @@ def test_unit_first_gathered_under_inference_mode_after_training():
     assert run_ranks(_skipped_unit_then_inference, 2, timeout=150) == ["ok", "ok"]
 
 
+def _tiny_mixtral(layers: int):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+
+
 def test_legacy_expert_keys_are_probed_once_per_pattern_not_per_layer(tmp_path, monkeypatch):
     """transformers saves Mixtral as per-expert `block_sparse_moe.experts.{e}.w1/w3/w2` keys; the
     loader finds where each fused tensor lies by running that conversion on probes as large as
     the tensor (a real-size layer: seconds and gigabytes). Layers after the first reuse the
     first one's layout with the layer index changed; the load equals from_pretrained."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     import grouped_ep.loading.keys as keys
     from grouped_ep import load_sharded
 
-    cfg = MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=24, num_local_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16,
-    )  # fmt: skip
+    cfg = _tiny_mixtral(layers=3)
     torch.manual_seed(0)
     MixtralForCausalLM(cfg).save_pretrained(tmp_path)
     probed = []
@@ -812,15 +818,11 @@ def test_model_from_a_fused_checkpoint_loads_a_per_expert_one(tmp_path):
     the model (`_weight_conversions == []`); load_sharded then applied none, and a per-expert
     (w1/w3/w2) Mixtral checkpoint was 'no checkpoint key'. The default conversions are tried."""
     from safetensors.torch import save_file
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     from grouped_ep import load_sharded
 
-    cfg = MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=24, num_local_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16,
-    )  # fmt: skip
+    cfg = _tiny_mixtral(layers=2)
     torch.manual_seed(0)
     fused = MixtralForCausalLM(cfg)
     (tmp_path / "fused").mkdir()
