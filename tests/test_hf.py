@@ -858,3 +858,40 @@ def test_base_model_loads_its_head_models_checkpoint(name, tmp_path):
     assert report.unused_keys == ["lm_head.weight"]
     for key, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_conversion_that_renumbers_layers_is_probed_per_layer(tmp_path):
+    """Sapiens2's heads map `decode_head.conv_layers.{0,1,2}.convolution` to file keys
+    `conv_layers.{0,3,6}`: the layout reused from layer 0 named keys the file lacks (a
+    LoadError where from_pretrained loads). A reused layout whose keys are missing is probed."""
+    from transformers.models.sapiens2 import configuration_sapiens2, modeling_sapiens2
+
+    from grouped_ep import load_sharded
+
+    cfg = configuration_sapiens2.Sapiens2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_attention_heads=2, image_size=32, patch_size=8, num_register_tokens=1,
+        num_first_full_attention_layers=1, num_last_full_attention_layers=1, num_labels=4,
+        head_config=dict(upsample_out_channels=[8, 8], conv_out_channels=[8, 8, 8],
+                         scale_conv_out_channels=[8, 8, 8], scale_final_hidden_sizes=[8, 8]),
+    )  # fmt: skip
+    cls = modeling_sapiens2.Sapiens2ForPoseEstimation
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(tmp_path)
+    ref = cls.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = cls(ref.config)
+    load_sharded(model, tmp_path, device="cpu")
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_probe_dtype_is_the_smallest_that_holds_the_largest_value():
+    """A real Mixtral-8x7B expert stack [8, 28672, 4096] probed alone holds values up to 28671:
+    int16 (1.9 GB), under the probe limit; int32 (3.8 GB) was over it, and its w1/w3/w2 keys
+    were not found."""
+    from grouped_ep.loading.keys import _probe_dtype
+
+    assert _probe_dtype(28671) == torch.int16 and _probe_dtype(32767) == torch.int16
+    assert _probe_dtype(32768) == torch.int32 and _probe_dtype(2**31 - 1) == torch.int32
+    assert _probe_dtype(2**31) == torch.int64

@@ -18,6 +18,7 @@ import math
 import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=Non
     layouts = [[(name, zero, shape, shape)]]
     if name in ckpt:
         return layouts
-    converted = converted_layout(model, name, shape) if model is not None else None
+    converted = converted_layout(model, name, shape, ckpt=ckpt) if model is not None else None
     if converted:
         layouts.append(converted)
     if (not converted or not all(key in ckpt for key, *_ in converted)) and getattr(
@@ -61,7 +62,7 @@ def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=Non
     ) is not None:
         # A model from from_pretrained keeps the conversions its own checkpoint needed (none
         # for a checkpoint of fused keys): this one may need transformers' default ones.
-        default = converted_layout(model, name, shape, default_mapping=True)
+        default = converted_layout(model, name, shape, default_mapping=True, ckpt=ckpt)
         if default and default != converted:
             layouts.append(default)
     m = _EXPERT_PARAM.match(name)
@@ -150,7 +151,7 @@ def revert_conversion(
 _NONE = object()
 
 
-def conversion_groups(model, names: list[str]) -> list[list[str]]:
+def conversion_groups(model, names: list[str], default_mapping: bool = False) -> list[list[str]]:
     """`names` (model tensors) partitioned into the sets transformers' save-time conversion
     turns into checkpoint keys together: a converter that merges several model tensors (a fused
     `qkv_proj` from `q_proj`, `k_proj`, `v_proj`; text and vision experts into one list) needs
@@ -168,7 +169,7 @@ def conversion_groups(model, names: list[str]) -> list[list[str]]:
         from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
 
         with _own_class_names(model):
-            forward = getattr(model, "_weight_conversions", None)
+            forward = None if default_mapping else getattr(model, "_weight_conversions", None)
             if forward is None:
                 forward = get_model_conversion_mapping(model, add_legacy=False)
                 forward = [c for c in forward if not isinstance(c, PrefixChange)]
@@ -204,18 +205,22 @@ def conversions_cached(model) -> Iterator[None]:
         model.__dict__.pop(_LAYOUTS_CACHE, None)
 
 
-def _conversion_members(model, name: str) -> dict[str, tuple[int, ...]] | None:
-    """The model tensors converted together with `name` (see `conversion_groups`), `name`
-    first, with their global shapes (once per `conversions_cached` block)."""
-    cache = model.__dict__.get(_MEMBERS_CACHE)
+def _conversion_members(
+    model, name: str, default_mapping: bool = False
+) -> dict[str, tuple[int, ...]] | None:
+    """The model tensors converted together with `name` (see `conversion_groups`; under
+    transformers' default conversions with `default_mapping`), `name` first, with their global
+    shapes (once per mapping per `conversions_cached` block)."""
+    caches = model.__dict__.get(_MEMBERS_CACHE) or {}
+    cache = caches.get(default_mapping)
     if cache is None:
         shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
         cache = {}
-        for group in conversion_groups(model, list(shapes)):
+        for group in conversion_groups(model, list(shapes), default_mapping):
             for n in group:
                 cache[n] = {m: shapes[m] for m in [n] + [g for g in group if g != n]}
         if _MEMBERS_CACHE in model.__dict__:
-            model.__dict__[_MEMBERS_CACHE] = cache
+            model.__dict__[_MEMBERS_CACHE] = {**caches, default_mapping: cache}
     return dict(cache[name]) if name in cache else None
 
 
@@ -307,7 +312,7 @@ def _split_key_pieces(
 
 
 def converted_layout(
-    model, name: str, shape: tuple[int, ...], default_mapping: bool = False
+    model, name: str, shape: tuple[int, ...], default_mapping: bool = False, ckpt=None
 ) -> Layout | None:
     """`_probed_layout`, probed once per layer: transformers' conversions match names with any
     layer index, so layer l's tensor of the same name pattern, shape and group lies where layer
@@ -320,12 +325,17 @@ def converted_layout(
     if cache is None or not found or not is_transformers_model(model) or not shape:
         return _probed_layout(model, name, shape, default_mapping)
     prefix = name[: found[-1].end() + 1]
-    members = _conversion_members(model, name) or {name: shape}
+    members = _conversion_members(model, name, default_mapping) or {name: shape}
     group = tuple(sorted((_NUMBER.sub("#", n), tuple(s)) for n, s in members.items()))
     slot = (_NUMBER.sub("#", name), tuple(shape), group, default_mapping)
     if slot in cache:
         old, layout = cache[slot]
-        return [(prefix + key[len(old) :], *rest) for key, *rest in layout]
+        reused = [(prefix + key[len(old) :], *rest) for key, *rest in layout]
+        # A conversion that maps index numbers to others (Sapiens2's heads: conv_layers.{0,1,2}
+        # are keys .{0,3,6}) gives keys the checkpoint lacks: this one is probed.
+        if ckpt is None or all(key in ckpt for key, *_ in reused):
+            return reused
+        return _probed_layout(model, name, shape, default_mapping)
     layout = _probed_layout(model, name, shape, default_mapping)
     if layout is not None and all(key.startswith(prefix) for key, *_ in layout):
         cache[slot] = (prefix, layout)
@@ -336,7 +346,7 @@ def _probe_dtype(most: int) -> torch.dtype:
     """The smallest integer dtype holding values up to `most` (probes of a real-size expert stack
     are as many elements as the stack: int16 takes a quarter of int64's memory)."""
     for dtype in (torch.int16, torch.int32):
-        if most < torch.iinfo(dtype).max:
+        if most <= torch.iinfo(dtype).max:
             return dtype
     return torch.int64
 
@@ -357,14 +367,23 @@ def _probed_layout(
     """
     if not is_transformers_model(model) or not shape or 0 in shape:
         return None
-    members = _conversion_members(model, name) or {name: shape}
+    members = _conversion_members(model, name, default_mapping) or {name: shape}
     members[name] = shape
     nd = len(shape)
     # probe value = member index * source + coordinate; source: above every coordinate
-    source = 1 << max(max(s) for s in members.values() if s).bit_length()
-    dtype = _probe_dtype(len(members) * source)
-    if sum(math.prod(s) for s in members.values()) * dtype.itemsize > _PROBE_LIMIT:
-        return None  # too large to probe: the generic per-expert layouts, or key_map=
+    largest = max(max(s) for s in members.values() if s)
+    source = 1 << largest.bit_length()
+    dtype = _probe_dtype((len(members) - 1) * source + largest - 1)  # the largest value
+    probe_bytes = sum(math.prod(s) for s in members.values()) * dtype.itemsize
+    if probe_bytes > _PROBE_LIMIT:
+        warnings.warn(
+            f"load_sharded: {name} {list(shape)}: transformers' checkpoint conversion is not "
+            f"probed for it ({probe_bytes / 2**30:.1f} GiB per probe, over "
+            f"{_PROBE_LIMIT / 2**30:.0f} GiB); its keys are looked for under the per-expert "
+            "gate_proj / up_proj / down_proj names, else name them with key_map=",
+            stacklevel=2,
+        )
+        return None
     probes = []
     for d in range(nd):
         view = [1] * nd
