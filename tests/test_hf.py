@@ -785,7 +785,7 @@ def test_legacy_expert_keys_are_probed_once_per_pattern_not_per_layer(tmp_path, 
     first one's layout with the layer index changed; the load equals from_pretrained."""
     from transformers import MixtralForCausalLM
 
-    import grouped_ep.loading.keys as keys
+    import grouped_ep.loading.converted as keys
     from grouped_ep import load_sharded
 
     cfg = _tiny_mixtral(layers=3)
@@ -890,7 +890,7 @@ def test_probe_dtype_is_the_smallest_that_holds_the_largest_value():
     """A real Mixtral-8x7B expert stack [8, 28672, 4096] probed alone holds values up to 28671:
     int16 (1.9 GB), under the probe limit; int32 (3.8 GB) was over it, and its w1/w3/w2 keys
     were not found."""
-    from grouped_ep.loading.keys import _probe_dtype
+    from grouped_ep.loading.converted import _probe_dtype
 
     assert _probe_dtype(28671) == torch.int16 and _probe_dtype(32767) == torch.int16
     assert _probe_dtype(32768) == torch.int32 and _probe_dtype(2**31 - 1) == torch.int32

@@ -20,7 +20,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from grouped_ep._names import unwrapped_name
 from grouped_ep.checkpoint.safetensors_writer import PlannedTensor
-from grouped_ep.loading.keys import conversion_groups, is_transformers_model, revert_conversion
+from grouped_ep.loading.converted import (
+    conversion_groups,
+    is_transformers_model,
+    revert_conversion,
+)
 
 
 def split_expert_tensor(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:

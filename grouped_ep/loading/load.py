@@ -16,7 +16,6 @@ Three steps, the first two in Python, with no collective anywhere:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import time
@@ -33,19 +32,14 @@ from torch.distributed.tensor import DTensor
 from grouped_ep._names import unwrapped_name
 from grouped_ep._validate import canonical_device, check_can_hold, is_int
 from grouped_ep.loading.buffers import fresh_buffers
+from grouped_ep.loading.converted import align_base_prefix, conversions_cached, toggle_prefix
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.keys import (
-    KeyMap,
-    conversions_cached,
-    is_transformers_model,
-    mapped_keys,
-    resolve_pieces,
-)
+from grouped_ep.loading.keys import KeyMap, mapped_keys, resolve_pieces
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
-from grouped_ep.loading.safetensors import Checkpoint, open_checkpoint
+from grouped_ep.loading.safetensors import open_checkpoint
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
 
@@ -106,41 +100,6 @@ def _unreadable_note(ckpt) -> str:
         f" The checkpoint also holds {len(ckpt.unreadable)} key(s) in a dtype this loader cannot "
         f"read: {shown}{' ...' if len(ckpt.unreadable) > 10 else ''}."
     )
-
-
-def _align_base_prefix(model: nn.Module, ckpt):
-    """A transformers base model (`Qwen3MoeModel`) from a checkpoint of its model with a head
-    (`model.layers...`), or a model with a head from its base model's checkpoint: the keys with
-    the base model's prefix stripped or added, as `from_pretrained` does. Returns the checkpoint
-    as the model names it, and {renamed key: key in the files} (empty if nothing changed)."""
-    prefix = getattr(model, "base_model_prefix", "") if is_transformers_model(model) else ""
-    if not prefix:
-        return ckpt, {}
-    dot = f"{prefix}."
-    names = {unwrapped_name(n) for n, _ in chain(model.named_parameters(), model.named_buffers())}
-    keys = list(chain(ckpt.entries, ckpt.unreadable))
-    model_has = any(n.startswith(dot) for n in names)
-    ckpt_has = any(k.startswith(dot) for k in keys)
-    if model_has == ckpt_has or not names.isdisjoint(keys):
-        return ckpt, {}
-    if ckpt_has:  # strip: keys of the head (lm_head) stay as they are, unused
-        rename = {k: k.removeprefix(dot) for k in keys}
-    else:
-        rename = {k: dot + k for k in keys}
-    # Only where it names the model's tensors (a VLM's `language_model.model.` keys, which
-    # transformers' conversion renames, are not its base model's), and names each once.
-    if names.isdisjoint(rename.values()) or len(set(rename.values())) != len(rename):
-        return ckpt, {}
-    entries = {rename[k]: dataclasses.replace(e, key=rename[k]) for k, e in ckpt.entries.items()}
-    unreadable = {rename[k]: d for k, d in ckpt.unreadable.items()}
-    renamed = Checkpoint(ckpt.root, ckpt.files, entries, unreadable)
-    return renamed, {new: old for old, new in rename.items() if new != old}
-
-
-def _toggle_prefix(model: nn.Module, names: list[str]) -> list[str]:
-    """`names` with the base model's prefix stripped where they have it, else added."""
-    dot = f"{model.base_model_prefix}."
-    return [n.removeprefix(dot) if n.startswith(dot) else dot + n for n in names]
 
 
 def _check_writable(targets: list[Target]) -> None:
@@ -354,7 +313,7 @@ def load_sharded(
     # A key_map of the user's names the file's own keys: the checkpoint keeps them.
     user_keys = callable(key_map) or isinstance(key_map, Mapping)
     files_ckpt = ckpt  # the keys as the files name them
-    ckpt, key_names = (ckpt, {}) if user_keys else _align_base_prefix(model, ckpt)
+    ckpt, key_names = (ckpt, {}) if user_keys else align_base_prefix(model, ckpt)
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
@@ -373,7 +332,7 @@ def load_sharded(
                 # transformers' conversions that match the prefixed keys themselves: the names
                 # with the prefix added or stripped, against the keys as the files have them
                 target.pieces = resolve_pieces(
-                    _toggle_prefix(model, target.names),
+                    toggle_prefix(model, target.names),
                     tuple(target.tensor.shape),
                     files_ckpt,
                     key_map,
