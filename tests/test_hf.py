@@ -886,12 +886,27 @@ def test_conversion_that_renumbers_layers_is_probed_per_layer(tmp_path):
         assert torch.equal(model.state_dict()[key], value), key
 
 
-def test_probe_dtype_is_the_smallest_that_holds_the_largest_value():
+def test_probe_of_mixtral_8x7b_rows_is_int16_and_finds_its_keys():
     """A real Mixtral-8x7B expert stack [8, 28672, 4096] probed alone holds values up to 28671:
     int16 (1.9 GB), under the probe limit; int32 (3.8 GB) was over it, and its w1/w3/w2 keys
-    were not found."""
-    from grouped_ep.loading.converted import _probe_dtype
+    were not found. In int16, the member test against 32768 wrapped to -32768 and found none
+    (here with hidden 64: the same rows, a small probe)."""
+    from transformers import MixtralForCausalLM
+
+    from grouped_ep.loading.converted import _probe_dtype, _probed_layout
 
     assert _probe_dtype(28671) == torch.int16 and _probe_dtype(32767) == torch.int16
     assert _probe_dtype(32768) == torch.int32 and _probe_dtype(2**31 - 1) == torch.int32
     assert _probe_dtype(2**31) == torch.int64
+    cfg = _tiny_mixtral(layers=1)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts = 64, 14336, 8
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    layout = _probed_layout(model, "model.layers.0.mlp.experts.gate_up_proj", (8, 28672, 64))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    want = [
+        (f"{prefix}.{e}.{w}.weight", (e, j * 14336, 0), (1, 14336, 64), (14336, 64))
+        for e in range(8)
+        for j, w in enumerate(("w1", "w3"))
+    ]
+    assert sorted(layout) == sorted(want)

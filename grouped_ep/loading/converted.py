@@ -346,7 +346,10 @@ def _probed_layout(
     for key in keys:
         if any(not isinstance(p[key], torch.Tensor) for p in probes):
             return None
-        mine = probes[0][key] < source
+        # one member: every element is this tensor's (`source` may not fit the probe dtype then:
+        # int16 probes of a 28672-row stack, compared with 32768, wrapped to -32768)
+        probe = probes[0][key]
+        mine = probe < source if len(members) > 1 else torch.ones_like(probe, dtype=torch.bool)
         if not bool(mine.any()):
             continue
         pieces = _key_pieces([p[key] for p in probes], mine, key, shape)
