@@ -657,6 +657,17 @@ def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
         for k, v in got.items():
             _exact(v, want[k], k)
         return
+    # Errors name the file's key as the file has it, and the model's tensor as the model does.
+    cfg.vocab_size += 1
+    with torch.device("meta"):
+        wrong = GptOssModel(cfg).float()
+    with pytest.raises(
+        LoadError,
+        match=r"shape mismatch for 'model\.embed_tokens\.weight': model tensor "
+        r"'embed_tokens\.weight' \[65, 64\]",
+    ):
+        load_sharded(wrong, tmp_path / "ckpt", device="cpu")
+    cfg.vocab_size -= 1
     # A key_map of the user's keeps the file's names (it used to be the only way to do this).
     with torch.device("meta"):
         model = GptOssModel(cfg).float()

@@ -102,6 +102,15 @@ def _unreadable_note(ckpt) -> str:
     )
 
 
+def _file_key_names(message: str, key_names: dict[str, str]) -> str:
+    """`message` with each quoted checkpoint key renamed by the base-model prefix alignment
+    given its name in the files."""
+    for renamed, original in key_names.items():
+        if f"'{renamed}'" in message:  # not where it names the model's tensor
+            message = re.sub(rf"(?<!tensor )'{re.escape(renamed)}'", f"'{original}'", message)
+    return message
+
+
 def _check_writable(targets: list[Target]) -> None:
     """Before any read: every materialized tensor the load copies into must take an in-place
     copy, or a failure halfway through the copies would leave the model partly loaded."""
@@ -323,42 +332,45 @@ def load_sharded(
         check_can_hold(device, "load_sharded: device")
     used: set[str] = set()
     missing, todo, quantized = [], [], []
-    with conversions_cached(model):
-        for target in targets:
-            target.pieces = resolve_pieces(
-                target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
-            )
-            if not target.pieces and key_names:
-                # transformers' conversions that match the prefixed keys themselves: the names
-                # with the prefix added or stripped, against the keys as the files have them
+    try:
+        with conversions_cached(model):
+            for target in targets:
                 target.pieces = resolve_pieces(
-                    toggle_prefix(model, target.names),
-                    tuple(target.tensor.shape),
-                    files_ckpt,
-                    key_map,
-                    model=model,
+                    target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
                 )
-    renamed = {old: new for new, old in key_names.items()}  # file key -> key in `ckpt`
-    for target in targets:
-        shape = tuple(target.tensor.shape)
-        hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
-        keys = mapped_keys(target.names, key_map)
-        if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
-            hf_layout = _owned_by_transformers(model, target.names[0])
-            target.pieces = mxfp4_pieces(target.name, keys, shape, ckpt, hf_layout)
-        elif not target.pieces:
-            _refuse_unconfigured_mxfp4(target.name, keys, ckpt, quant_cfg)
-        if not target.pieces:
-            missing.append(target.name)
-            continue
-        used.update(renamed.get(p.entry.key, p.entry.key) for p in target.pieces)
-        if is_quantized(quant_cfg, target, ckpt):
-            plan_quant(target, quant_cfg, ckpt, file_ids, device, hf_layout)
-            used.update(target.quant.scale_keys)
-            quantized.append(target)
-            continue
-        plan_target(target, file_ids, device)
-        todo.append(target)
+                if not target.pieces and key_names:
+                    # transformers' conversions that match the prefixed keys themselves: the names
+                    # with the prefix added or stripped, against the keys as the files have them
+                    target.pieces = resolve_pieces(
+                        toggle_prefix(model, target.names),
+                        tuple(target.tensor.shape),
+                        files_ckpt,
+                        key_map,
+                        model=model,
+                    )
+        renamed = {old: new for new, old in key_names.items()}  # file key -> key in `ckpt`
+        for target in targets:
+            shape = tuple(target.tensor.shape)
+            hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
+            keys = mapped_keys(target.names, key_map)
+            if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
+                hf_layout = _owned_by_transformers(model, target.names[0])
+                target.pieces = mxfp4_pieces(target.name, keys, shape, ckpt, hf_layout)
+            elif not target.pieces:
+                _refuse_unconfigured_mxfp4(target.name, keys, ckpt, quant_cfg)
+            if not target.pieces:
+                missing.append(target.name)
+                continue
+            used.update(renamed.get(p.entry.key, p.entry.key) for p in target.pieces)
+            if is_quantized(quant_cfg, target, ckpt):
+                plan_quant(target, quant_cfg, ckpt, file_ids, device, hf_layout)
+                used.update(target.quant.scale_keys)
+                quantized.append(target)
+                continue
+            plan_target(target, file_ids, device)
+            todo.append(target)
+    except LoadError as e:  # named as the files name them, not as renamed to fit the model
+        raise LoadError(_file_key_names(str(e), key_names)) from None
     if strict and missing:
         on_meta = sum(t.tensor.is_meta for t in targets if not t.pieces)
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
