@@ -39,7 +39,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -126,7 +125,7 @@ def _as_step(value: object, name: str) -> int:
     step silently ignored numbered the checkpoint after the newest one in the root)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
-    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)
     if not is_int(value) or value < 0:
         raise CheckpointError(

@@ -5,8 +5,8 @@ model's ndim, shape in the file). The first layout whose keys all exist wins. "a
 the same name; for a transformers model, transformers' own checkpoint conversion (the
 weight-conversion mapping `from_pretrained` / `save_pretrained` use: Mixtral's
 `block_sparse_moe.experts.{i}.w1/w3/w2`, per-expert biases, ...), read off by running its
-reverse on coordinate probes (`converted.converted_layout`); then generic per-expert or split keys of fused
-experts (`gate_up_proj`, `down_proj`) for other models. A user `key_map` (callable or mapping)
+reverse on coordinate probes (`converted.converted_layout`); then generic per-expert or split
+keys of fused experts (`gate_up_proj`, `down_proj`) for other models. A user `key_map` (callable or mapping)
 names keys for anything else.
 """
 
@@ -15,9 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from grouped_ep.loading.converted import (
-    converted_layout,
-)
+from grouped_ep.loading.converted import converted_layout
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.plan import Piece
 from grouped_ep.loading.safetensors import Checkpoint
@@ -135,12 +133,22 @@ def _check_layout(
     return pieces
 
 
+def _ask(key_map, name: str) -> object:
+    """What a user `key_map` (callable or mapping) answers for `name`; None for "auto" / None."""
+    if callable(key_map):
+        return key_map(name)
+    if isinstance(key_map, Mapping):
+        return key_map.get(name)
+    if key_map not in ("auto", None):
+        raise ValueError("load_sharded: key_map must be 'auto', None, a callable or a mapping")
+    return None
+
+
 def mapped_keys(names: list[str], key_map) -> list[str]:
     """A tensor's names, each as the single key `key_map` names for it where it names one."""
-    ask = key_map if callable(key_map) else key_map.get if isinstance(key_map, Mapping) else None
     out = []
     for name in names:
-        value = ask(name) if ask is not None else None
+        value = _ask(key_map, name)
         # an MXFP4 tensor is named by its logical key, or by its `_blocks` key
         out.append(value.removesuffix("_blocks") if isinstance(value, str) else name)
     return out
@@ -152,13 +160,7 @@ def resolve_pieces(
     """The checkpoint pieces that tile a model tensor (known by `names`), or [] if none.
     `model`: the model being loaded, for transformers' own conversion (see `converted_layout`)."""
     for name in names:
-        value = None
-        if callable(key_map):
-            value = key_map(name)
-        elif isinstance(key_map, Mapping):
-            value = key_map.get(name)
-        elif key_map not in ("auto", None):
-            raise ValueError("load_sharded: key_map must be 'auto', None, a callable or a mapping")
+        value = _ask(key_map, name)
         if value is not None:
             layouts = [_user_layout(name, shape, value, ckpt)]
         elif key_map is None:

@@ -40,6 +40,7 @@ from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
+from grouped_ep.moe.layers import MoE
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
 
@@ -352,11 +353,12 @@ def load_sharded(
         for target in targets:
             shape = tuple(target.tensor.shape)
             hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped
-            keys = mapped_keys(target.names, key_map)
             if not target.pieces and quant_cfg is not None and quant_cfg.method == "mxfp4":
                 hf_layout = _owned_by_transformers(model, target.names[0])
+                keys = mapped_keys(target.names, key_map)
                 target.pieces = mxfp4_pieces(target.name, keys, shape, ckpt, hf_layout)
             elif not target.pieces:
+                keys = mapped_keys(target.names, key_map)
                 _refuse_unconfigured_mxfp4(target.name, keys, ckpt, quant_cfg)
             if not target.pieces:
                 missing.append(target.name)
@@ -407,9 +409,9 @@ def load_sharded(
         target.fresh = None
     for module, name, value in buffers:
         module._buffers[name] = value
-    for module in model.modules():  # grouped_ep.moe.MoE: tokens counted before the load
-        if "_load_counts" in vars(module):  # belong to no step of the loaded run
-            module._load_counts = None
+    for module in model.modules():  # tokens counted by forwards before the load belong to
+        if isinstance(module, MoE):  # no step of the loaded run
+            module.take_load_counts()
     files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
     seconds = time.perf_counter() - t0
     return LoadReport(
