@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import grouped_ep.loading.scaled as scaled
 from grouped_ep._names import unwrapped_name
 from grouped_ep.loading.plan import runs
 from grouped_ep.loading.safetensors import Checkpoint
@@ -128,6 +129,7 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
 
 
 _PROBE_LIMIT = 1 << 31  # most probe bytes per dim before giving up on a conversion
+_SCALE_ABOVE = 1 << 26  # probe bytes above which a scaled-down probe is tried first
 
 
 _MEMBERS_CACHE = "_grouped_ep_conversion_members"
@@ -262,7 +264,8 @@ def converted_layout(
     0's does with the index changed. The layout of a tensor whose name holds a number (the last
     one: `model.layers.7.`) is kept when all its keys start with the name up to that number;
     another layer's is made from it by changing that prefix (a probe of a real-size expert stack
-    takes seconds and gigabytes: one per layer made a 48-layer load minutes long)."""
+    at its real size took seconds and gigabytes: one per layer made a 48-layer load minutes
+    long)."""
     cache = model.__dict__.get(_LAYOUTS_CACHE)
     found = list(_NUMBER.finditer(name))
     if cache is None or not found or not is_transformers_model(model) or not shape:
@@ -307,26 +310,60 @@ def _probed_layout(
     `name` as boxes, whole or in runs of a fused or permuted key (`_key_pieces`), tiling it
     once (a transposed key included). None: not a transformers model, no conversion for
     `name`, or a conversion that is not like that, which `key_map=` must then name.
+
+    A probe of over `_SCALE_ABOVE` bytes (a real-size expert stack) is first made on the shape
+    scaled down (`scaled`), and at its real size only where that does not scale up.
     """
     if not is_transformers_model(model) or not shape or 0 in shape:
         return None
     members = _conversion_members(model, name, default_mapping) or {name: shape}
     members[name] = shape
-    nd = len(shape)
-    # probe value = member index * source + coordinate; source: above every coordinate
-    largest = max(max(s) for s in members.values() if s)
-    source = 1 << largest.bit_length()
-    dtype = _probe_dtype((len(members) - 1) * source + largest - 1)  # the largest value
-    probe_bytes = sum(math.prod(s) for s in members.values()) * dtype.itemsize
+    if _probe_bytes(members) > _SCALE_ABOVE:
+        f = scaled.scale_factor(members.values())
+        if f >= 4:  # two scales, f and f / 2, both below the real size
+            small, double = (
+                _probe(model, name, {n: scaled.scaled(s, g) for n, s in members.items()},
+                       default_mapping)
+                for g in (f, f // 2)
+            )  # fmt: skip
+            if small is not None and double is not None:
+                layout = scaled.grown(small, double, shape, f)
+                if layout is not None:
+                    return layout
+    probe_bytes = _probe_bytes(members)
     if probe_bytes > _PROBE_LIMIT:
         warnings.warn(
             f"load_sharded: {name} {list(shape)}: transformers' checkpoint conversion is not "
             f"probed for it ({probe_bytes / 2**30:.1f} GiB per probe, over "
-            f"{_PROBE_LIMIT / 2**30:.0f} GiB); its keys are looked for under the per-expert "
-            "gate_proj / up_proj / down_proj names, else name them with key_map=",
+            f"{_PROBE_LIMIT / 2**30:.0f} GiB, and no smaller probe scales up to it); its keys "
+            "are looked for under the per-expert gate_proj / up_proj / down_proj names, else "
+            "name them with key_map=",
             stacklevel=2,
         )
         return None
+    return _probe(model, name, members, default_mapping)
+
+
+def _dtype_and_source(members: dict[str, tuple[int, ...]]) -> tuple[torch.dtype, int]:
+    """A probe's dtype and `source`, the step between members' values: probe value = member
+    index * source + coordinate, `source` above every coordinate."""
+    largest = max(max(s) for s in members.values() if s)
+    source = 1 << largest.bit_length()
+    return _probe_dtype((len(members) - 1) * source + largest - 1), source  # the largest value
+
+
+def _probe_bytes(members: dict[str, tuple[int, ...]]) -> int:
+    dtype, _ = _dtype_and_source(members)
+    return sum(math.prod(s) for s in members.values()) * dtype.itemsize
+
+
+def _probe(
+    model, name: str, members: dict[str, tuple[int, ...]], default_mapping: bool
+) -> Layout | None:
+    """`_probed_layout` on probes of `members`' shapes (`name` first among them)."""
+    shape = members[name]
+    nd = len(shape)
+    dtype, source = _dtype_and_source(members)
     probes = []
     for d in range(nd):
         view = [1] * nd
