@@ -32,7 +32,12 @@ from torch.distributed.tensor import DTensor
 from grouped_ep._names import unwrapped_name
 from grouped_ep._validate import canonical_device, check_can_hold, is_int
 from grouped_ep.loading.buffers import fresh_buffers
-from grouped_ep.loading.converted import align_base_prefix, conversions_cached, toggle_prefix
+from grouped_ep.loading.converted import (
+    align_base_prefix,
+    conversions_cached,
+    is_transformers_model,
+    toggle_prefix,
+)
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import KeyMap, mapped_keys, resolve_pieces
@@ -324,6 +329,11 @@ def load_sharded(
     user_keys = callable(key_map) or isinstance(key_map, Mapping)
     files_ckpt = ckpt  # the keys as the files name them
     ckpt, key_names = (ckpt, {}) if user_keys else align_base_prefix(model, ckpt)
+    toggles = (
+        not user_keys
+        and bool(getattr(model, "base_model_prefix", ""))
+        and is_transformers_model(model)
+    )
     # An FSDP2 unit left gathered (no reshard after its forward, e.g. the last block after an
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
@@ -339,9 +349,10 @@ def load_sharded(
                 target.pieces = resolve_pieces(
                     target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
                 )
-                if not target.pieces and key_names:
-                    # transformers' conversions that match the prefixed keys themselves: the names
-                    # with the prefix added or stripped, against the keys as the files have them
+                if not target.pieces and toggles:
+                    # transformers' conversions that match the prefixed keys themselves (or rename
+                    # the prefix: nemotron_h's `backbone.`): the names with the prefix added or
+                    # stripped, against the keys as the files have them
                     target.pieces = resolve_pieces(
                         toggle_prefix(model, target.names),
                         tuple(target.tensor.shape),
