@@ -9,15 +9,18 @@ After a meta-device build they are meta, so the model cannot run after loading i
 - otherwise, or for a buffer `_init_weights` leaves alone, the module type is built again, alone,
   on the target device, from the arguments it keeps (`config` for transformers modules), and its
   buffers are taken.
-Nothing bigger than the module that owns the buffers is built. Where neither works, the error
-names each buffer.
+Nothing bigger than the module that owns the buffers is built, and that with its parameters on
+meta. Where neither works, the error names each buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import threading
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -46,8 +49,39 @@ def nonpersistent_buffers(
     return out
 
 
+_REGISTER_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within, every parameter a module registers is moved to meta as it is registered, before
+    its initialization writes it: a constructor then builds its buffers on the device and its
+    parameters cost no memory and no random numbers. The memory of each parameter is taken
+    before the move, untouched (an untouched allocation costs no physical memory)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        held = self._parameters.get(name)
+        if held is not None and not held.is_meta:
+            self._parameters[name] = nn.Parameter(
+                held.detach().to("meta"), requires_grad=held.requires_grad
+            )
+
+    with _REGISTER_LOCK:
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def _rebuild(module: nn.Module, device: torch.device) -> nn.Module:
-    """A new module of `module`'s type on `device`, from the arguments it keeps."""
+    """A new module of `module`'s type on `device`, from the arguments it keeps, its parameters
+    on meta (a torchtitan model keeps `freqs_cis` on the model itself: building it again, whole,
+    took the model's memory once more on every rank). If a buffer comes out on meta that way
+    (a constructor that computes it from a parameter), the module is built again for real.
+    The random number generators are left as they were."""
     params = inspect.signature(type(module).__init__).parameters
     required = [
         n
@@ -60,8 +94,13 @@ def _rebuild(module: nn.Module, device: torch.device) -> nn.Module:
     kwargs = {n: getattr(module, n) for n in required}
     if "device" in params:
         kwargs["device"] = device
-    with torch.device(device):
-        return type(module)(**kwargs)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        with _parameters_on_meta():
+            fresh = type(module)(**kwargs)
+        if any(b is not None and b.is_meta for b in fresh._buffers.values()):
+            fresh = type(module)(**kwargs)
+    return fresh
 
 
 def _init_weights_owners(model: nn.Module) -> dict[str, nn.Module]:

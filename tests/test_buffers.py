@@ -1,0 +1,59 @@
+"""Non-persistent buffers recomputed by building their module again (`loading/buffers.py`):
+the module's parameters are built on meta, the random number generators are left alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import grouped_ep
+from grouped_ep import checkpoint
+from grouped_ep.loading.buffers import _rebuild
+
+
+class Args:
+    dim, vocab = 64, 1000
+
+
+class Transformer(nn.Module):
+    """torchtitan's layout: `freqs_cis` non-persistent on the model itself."""
+
+    def __init__(self, model_args):
+        super().__init__()
+        self.model_args = model_args
+        self.embed = nn.Embedding(model_args.vocab, model_args.dim)
+        self.out = nn.Linear(model_args.dim, model_args.vocab)
+        freqs = torch.outer(torch.arange(16.0), torch.arange(1, 5.0))
+        self.register_buffer("freqs_cis", freqs, persistent=False)
+
+
+def test_rebuild_builds_parameters_on_meta_and_keeps_the_rng():
+    model = Transformer(Args())
+    state = torch.get_rng_state()
+    fresh = _rebuild(model, torch.device("cpu"))
+    assert torch.equal(state, torch.get_rng_state())
+    assert all(p.is_meta for p in fresh.parameters())
+    assert torch.equal(fresh.freqs_cis, model.freqs_cis)
+    # the patch is gone afterwards: a module built now has real parameters
+    assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_checkpoint_load_recomputes_a_top_level_buffer(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(Args())
+    checkpoint.save(tmp_path, model)
+    grouped_ep.checkpoint.export_hf(model, tmp_path / "hf")
+    with torch.device("meta"):
+        fresh = Transformer(Args())
+    fresh.to_empty(device="cpu")
+    fresh.freqs_cis.fill_(float("nan"))  # what to_empty may leave
+    state = torch.get_rng_state()
+    checkpoint.load(tmp_path, fresh)
+    assert torch.equal(state, torch.get_rng_state())
+    assert torch.equal(fresh.freqs_cis, model.freqs_cis)
+    assert torch.equal(fresh.out.weight, model.out.weight)
+    with torch.device("meta"):
+        meta = Transformer(Args())
+    grouped_ep.load_sharded(meta, tmp_path / "hf", device="cpu")
+    assert torch.equal(meta.freqs_cis, model.freqs_cis)
+    assert torch.equal(meta.embed.weight, model.embed.weight)
