@@ -359,6 +359,20 @@ def test_key_map_naming_an_absent_key_is_an_error(tmp_path, form):
     assert all(torch.all(t == 0) for t in _state(model).values())
 
 
+def test_key_map_entry_naming_no_model_tensor_is_an_error(tmp_path):
+    # A mapping entry for a name the model does not have (a typo) used to be ignored, the tensor
+    # it meant loaded from its own key: now a LoadError naming the entry, nothing read.
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    model = _fused_model()
+    with pytest.raises(
+        LoadError,
+        match=r"key_map names no tensor of the model: 'm.experts.down_proj.weight' "
+        r"\(did you mean 'm.experts.down_proj'\?\)",
+    ):
+        load_sharded(model, tmp_path, key_map={"m.experts.down_proj.weight": "m.experts.up"})
+    assert all(torch.all(t == 0) for t in _state(model).values())
+
+
 def test_per_expert_keys_of_an_experts_module_at_the_top(tmp_path):
     # A bare experts module (names `experts.gate_up_proj`, no prefix) finds `experts.{i}....` keys.
     state = _fused_state()

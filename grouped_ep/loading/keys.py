@@ -12,9 +12,15 @@ names keys for anything else.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
+from typing import Any
 
+from torch import nn
+
+from grouped_ep._names import unwrapped_name
 from grouped_ep.loading.converted import converted_layout
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.plan import Piece
@@ -181,3 +187,40 @@ def resolve_pieces(
                 f"make up {name!r} {list(shape)}"
             )
     return []
+
+
+def refuse_unknown_names(model: nn.Module, key_map) -> None:
+    """A mapping `key_map` whose entries name no tensor of the model (a typo: `lm_head.weights`)
+    would be ignored, and the tensor it meant loaded from its own key: a LoadError instead."""
+    if not isinstance(key_map, Mapping):
+        return
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    names = {m for n, _ in named for m in (n, unwrapped_name(n))}
+    unknown = [k for k in key_map if k not in names]
+    if unknown:
+        hints = [difflib.get_close_matches(str(k), names, n=1) for k in unknown[:5]]
+        shown = ", ".join(
+            f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints)
+        )
+        more = f", ... ({len(unknown)} in all)" if len(unknown) > 5 else ""
+        raise LoadError(f"load_sharded: key_map names no tensor of the model: {shown}{more}")
+
+
+def with_wrapped_names(model: nn.Module, key_map) -> Any:
+    """`key_map` (a callable or mapping), also asked under the name a tensor has inside wrapper
+    modules (`named_parameters()` of a wrapped model) when its own name gives nothing."""
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    wrapped = {unwrapped_name(n): n for n, _ in named if unwrapped_name(n) != n}
+    if not wrapped or not (callable(key_map) or isinstance(key_map, Mapping)):
+        return key_map
+    ask = key_map if callable(key_map) else key_map.get
+
+    def lookup(name: str):
+        value = ask(name)
+        return ask(wrapped[name]) if value is None and name in wrapped else value
+
+    return lookup

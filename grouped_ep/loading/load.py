@@ -21,8 +21,6 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +38,13 @@ from grouped_ep.loading.converted import (
 )
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.keys import KeyMap, mapped_keys, resolve_pieces
+from grouped_ep.loading.keys import (
+    KeyMap,
+    mapped_keys,
+    refuse_unknown_names,
+    resolve_pieces,
+    with_wrapped_names,
+)
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
@@ -202,24 +206,6 @@ def reshard_all(model: nn.Module) -> None:
         module.reshard()
 
 
-def _with_wrapped_names(model: nn.Module, key_map) -> Any:
-    """`key_map` (a callable or mapping), also asked under the name a tensor has inside wrapper
-    modules (`named_parameters()` of a wrapped model) when its own name gives nothing."""
-    named = chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    )
-    wrapped = {unwrapped_name(n): n for n, _ in named if unwrapped_name(n) != n}
-    if not wrapped or not (callable(key_map) or isinstance(key_map, Mapping)):
-        return key_map
-    ask = key_map if callable(key_map) else key_map.get
-
-    def lookup(name: str):
-        value = ask(name)
-        return ask(wrapped[name]) if value is None and name in wrapped else value
-
-    return lookup
-
-
 def _swap(target: Target) -> None:
     """Put `target.fresh` into the model (no failure is possible past planning)."""
     t = target.tensor
@@ -279,7 +265,8 @@ def load_sharded(
             `[I, H]`, Mixtral's `block_sparse_moe.experts.{i}.w1/w3/w2.weight`) or 3-D keys,
             else same names. None: same names only. A callable or mapping from model name to a
             key, to a list of E keys stacked on a new dim 0 (an entry may be a tuple of keys
-            concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule.
+            concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule. A
+            mapping entry that names no tensor of the model is an error.
         threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
         progress: a progress bar on stderr: None shows it on a TTY only.
         strict: a parameter or persistent buffer with no checkpoint key is an error naming
@@ -305,7 +292,8 @@ def load_sharded(
         A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
     """
     t0 = time.perf_counter()
-    key_map = _with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
+    refuse_unknown_names(model, key_map)
+    key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod  # torch.compile's wrapper: the model it compiles
     if threads is None:
