@@ -410,6 +410,32 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path) -> None:
     assert ck.resolve(tmp_path) == tmp_path / "step-00000002"
 
 
+def _bad_step_on_rank0_only(rank: int, world_size: int, root: str) -> list[str]:
+    model = OneWeight(None)
+    errors = []
+    for extra, kwargs in [({"step": 1.5}, {}), ({"step": -3}, {}), (None, {"keep_last": 0})]:
+        try:  # extra (or keep_last) on rank 0 only, as the README allows for extra
+            ck.save(
+                root, model, extra=extra if rank == 0 else None, **(kwargs if rank == 0 else {})
+            )
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+    ck.save(root, model, extra={"step": 4})  # the ranks are still in step: a good save works
+    return errors
+
+
+def test_bad_step_on_rank_0_only_raises_on_every_rank(tmp_path) -> None:
+    """A bad extra["step"] or keep_last that only rank 0 passes used to raise there before the
+    first collective: the other ranks waited in it until the process group's timeout."""
+    results = run_ranks(_bad_step_on_rank0_only, 2, str(tmp_path), timeout=120)
+    for errors in results:
+        assert len(errors) == 3, errors
+        assert "failed on rank(s) [0]" in errors[0] or "failed on rank 0" in errors[0]
+        assert 'extra["step"]' in errors[0] and 'extra["step"]' in errors[1]
+        assert "keep_last" in errors[2]
+    assert ck.resolve(tmp_path) == tmp_path / "step-00000004"
+
+
 def test_inspect_names_a_missing_rank_file(world4, tmp_path, capsys) -> None:
     from grouped_ep.__main__ import main as cli
 

@@ -172,12 +172,19 @@ def save(
     """
     background.wait_pending("save")
     root = Path(root)
-    if step is None and extra is not None and extra.get("step") is not None:
-        step = _as_step(extra["step"], 'extra["step"]')
-    elif step is not None:
-        step = _as_step(step, "step")
-    if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
-        raise CheckpointError(f"save: keep_last must be a positive int or None, got {keep_last!r}")
+    error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
+    try:
+        if step is None and extra is not None and extra.get("step") is not None:
+            step = _as_step(extra["step"], 'extra["step"]')
+        elif step is not None:
+            step = _as_step(step, "step")
+        if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
+            raise CheckpointError(
+                f"save: keep_last must be a positive int or None, got {keep_last!r}"
+            )
+    except CheckpointError as e:
+        error = e
+    all_ok(error, "save: checking its arguments")
 
     def prepare() -> tuple[int, str, str]:
         if root.exists() and not root.is_dir():
