@@ -384,3 +384,32 @@ def test_sgd_group_without_momentum_resumes(tmp_path: Path) -> None:
     assert all(torch.equal(fresh[n], model[n]) for n in "sw")
     assert torch.equal(fresh_opt.state[fresh["w"]]["momentum_buffer"], torch.ones(3))
     assert fresh["s"] not in fresh_opt.state
+
+
+class _TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_load_refuses_a_tie_that_to_empty_split(tmp_path: Path) -> None:
+    """A model whose head shares the embedding's weight, saved tied: `to_empty` of a meta build
+    unties the two (any model, not only a transformers config's tie_word_embeddings). A load
+    filled both copies and training moved them apart, silently; now refused before reading."""
+    torch.manual_seed(0)
+    ck.save(tmp_path, _TiedHead())
+    with torch.device("meta"):
+        model = _TiedHead()
+    model.to_empty(device="cpu")
+    assert model.head.weight is not model.embed.weight
+    with torch.no_grad():
+        model.embed.weight.fill_(3.0)
+    with pytest.raises(ck.CheckpointError, match=r"embed\.weight = head\.weight .*to_empty"):
+        ck.load(tmp_path, model)
+    assert bool((model.embed.weight == 3.0).all())  # untouched
+    model.head.weight = model.embed.weight
+    ck.load(tmp_path, model)
+    torch.manual_seed(0)
+    assert torch.equal(model.head.weight, _TiedHead().embed.weight)

@@ -75,9 +75,11 @@ from grouped_ep.checkpoint.fit import (
     check_fits,
     check_param_groups,
     refuse_meta,
+    refuse_split_ties,
     refuse_unexpected,
     refuse_untied,
     stateless_params,
+    tied_groups,
     without,
 )
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
@@ -248,6 +250,7 @@ def save(
         "checksums": CHECKSUMS,  # every chunk's CRC32C, beside the data files (checksum.py)
         "save_id": save_id,  # in every checksum table too
         "torch": torch.__version__,
+        "tied": tied_groups(model),  # keys of one shared tensor: `load` refuses them split
     }
 
     def commit() -> Path:
@@ -373,6 +376,7 @@ def _load(
         described.append(info)
         info.raise_if_invalid()
         manifest = read_manifest(ckpt)
+        refuse_split_ties(model, manifest.get("tied", []))
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
         stateless = stateless_params(info, current) if optimizer is not None else []
