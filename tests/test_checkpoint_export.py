@@ -244,6 +244,29 @@ def test_export_of_a_compiled_model_writes_the_models_keys(tmp_path: Path) -> No
         ck.export_hf(nn.Module(), tmp_path / "empty")
 
 
+def _ddp_export_and_load(rank: int, world_size: int, out: str) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from grouped_ep import load_sharded
+
+    ck.export_hf(DistributedDataParallel(tiny_qwen3_moe(seed=0)), out)
+    fresh = DistributedDataParallel(tiny_qwen3_moe(seed=1))
+    load_sharded(fresh, out, key_map={"lm_head.weight": "lm_head.weight"})  # a model's own name
+    want = tiny_qwen3_moe(seed=0).state_dict()
+    return all(torch.equal(fresh.module.state_dict()[k], v) for k, v in want.items())
+
+
+def test_export_and_load_of_a_ddp_model(tmp_path: Path) -> None:
+    """DistributedDataParallel's wrapper gave `module.` keys, transformers' conversion skipped
+    and no config.json: from_pretrained loaded every weight as missing. load_sharded refused
+    the wrapper's names. Both now work on the model inside (2 gloo ranks)."""
+    out = tmp_path / "hf"
+    assert run_ranks(_ddp_export_and_load, 2, str(out), timeout=240) == [True, True]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if k.startswith("module.")]
+    _check_export(out)  # logits equal the seed-0 model's
+
+
 def test_a_config_that_fails_to_write_changes_nothing(tmp_path: Path, monkeypatch) -> None:
     """The configs were written after the files were renamed and the earlier index removed: a
     generation config transformers refuses to save left a directory that loaded as neither

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from grouped_ep._names import unwrapped_model
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
@@ -85,7 +86,7 @@ def export_hf(
     weights `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become per-expert 2D keys
     (`...{i}.gate_proj.weight` [I, H], `up_proj`, `down_proj` [H, I]); other names stay.
     Args:
-        model: the model (or its torch.compile wrapper); parameters may be DTensors or plain
+        model: the model (or its torch.compile or DDP wrapper); parameters may be DTensors or plain
             tensors (the same on every rank).
         dir: output directory (created; not ""). Weight files of an earlier checkpoint there
             (`model.safetensors`, `model-*-of-*.safetensors`) are replaced: after the new files
@@ -96,10 +97,8 @@ def export_hf(
     Returns:
         The index file path on rank 0, None on other ranks.
     """
-    # torch.compile's wrapper: its keys carry `_orig_mod.` and it is no transformers model.
-    model = (
-        model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
-    )
+    # torch.compile's and DDP's wrappers: keys with `_orig_mod.` / `module.`, no transformers model
+    model = unwrapped_model(model)
     if not any(True for _ in model.state_dict()):
         raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
     if not os.fspath(dir):

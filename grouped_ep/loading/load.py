@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from grouped_ep._names import unwrapped_name
+from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep._validate import canonical_device, check_can_hold, is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.converted import (
@@ -294,8 +294,7 @@ def load_sharded(
     t0 = time.perf_counter()
     refuse_unknown_names(model, key_map)
     key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        model = model._orig_mod  # torch.compile's wrapper: the model it compiles
+    model = unwrapped_model(model)  # torch.compile's, DDP's wrapper: the model inside
     if threads is None:
         threads = default_threads()
     if not is_int(threads) or threads < 1:
