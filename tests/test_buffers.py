@@ -57,3 +57,40 @@ def test_checkpoint_load_recomputes_a_top_level_buffer(tmp_path):
     grouped_ep.load_sharded(meta, tmp_path / "hf", device="cpu")
     assert torch.equal(meta.freqs_cis, model.freqs_cis)
     assert torch.equal(meta.embed.weight, model.embed.weight)
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=48, max_position_embeddings=40,
+    )  # fmt: skip
+    return BertForMaskedLM, cfg
+
+
+def test_integer_buffers_set_by_init_weights(tmp_path):
+    """BERT's int64 `position_ids` and `token_type_ids` are non-persistent buffers that only
+    transformers' `_init_weights` sets: a meta build could not be loaded ("does not keep its
+    constructor arguments"), and a resume after to_empty kept garbage positions with a
+    warning. Both now take init's values: loads and logits equal from_pretrained's."""
+    cls, cfg = _tiny_bert()
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(tmp_path / "hf")
+    ref = cls.from_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = cls(cfg)
+    grouped_ep.load_sharded(model, tmp_path / "hf", device="cpu")
+    for name, value in ref.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], value), name
+    ids = torch.randint(0, 64, (2, 12))
+    assert torch.equal(model.eval()(ids).logits, ref(ids).logits)  # from_pretrained: eval
+    checkpoint.save(tmp_path / "ck", ref)
+    with torch.device("meta"):
+        resumed = cls(cfg)
+    resumed.to_empty(device="cpu")
+    resumed.bert.embeddings.position_ids.fill_(0)
+    resumed.tie_weights()
+    checkpoint.load(tmp_path / "ck", resumed)
+    assert torch.equal(resumed.bert.embeddings.position_ids, ref.bert.embeddings.position_ids)
+    assert torch.equal(resumed.eval()(ids).logits, ref(ids).logits)

@@ -5,7 +5,8 @@ After a meta-device build they are meta, so the model cannot run after loading i
 - in a transformers model, the way `from_pretrained` does: the `_init_weights` of the nearest
   `PreTrainedModel` runs on the module, with its parameters and other buffers swapped for meta
   stand-ins (so nothing loaded is touched) and these buffers fresh on the target device (Gemma's
-  `embed_scale` comes from a constructor argument that only `_init_weights` knows again);
+  `embed_scale` comes from a constructor argument that only `_init_weights` knows again; BERT's
+  integer `position_ids` and `token_type_ids` are set there too);
 - otherwise, or for a buffer `_init_weights` leaves alone, the module type is built again, alone,
   on the target device, from the arguments it keeps (`config` for transformers modules), and its
   buffers are taken.
@@ -119,16 +120,45 @@ def _init_weights_owners(model: nn.Module) -> dict[str, nn.Module]:
 def _from_init_weights(
     owner: nn.Module, module: nn.Module, names: list[str], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """The floating-point buffers `names` of `module` as `owner._init_weights(module)` sets them
-    (those it sets: a buffer left all-NaN was not touched). Nothing of `module` changes."""
-    params, buffers = dict(module._parameters), dict(module._buffers)
-    fresh = {
-        n: torch.full(buffers[n].shape, math.nan, dtype=buffers[n].dtype, device=device)
-        for n in names
-        if buffers[n].is_floating_point()
-    }
-    if not fresh:
+    """The buffers `names` of `module` as `owner._init_weights(module)` sets them (those it
+    sets: a floating-point buffer left all-NaN was not touched; an integer or bool one is run
+    twice, from its dtype's lowest and highest value, and kept where both runs agree: BERT's
+    `position_ids`). Nothing of `module` changes."""
+    buffers = dict(module._buffers)
+    names = [n for n in names if buffers.get(n) is not None]
+    floats = [n for n in names if buffers[n].is_floating_point()]
+    others = [n for n in names if n not in floats and not buffers[n].is_complex()]
+    if not floats and not others:
         return {}
+
+    def filled(n: str, high: bool) -> torch.Tensor:
+        b = buffers[n]
+        if b.is_floating_point():
+            value = math.nan
+        elif b.dtype == torch.bool:
+            value = high
+        else:
+            info = torch.iinfo(b.dtype)
+            value = info.max if high else info.min
+        return torch.full(b.shape, value, dtype=b.dtype, device=device)
+
+    runs = [_init_once(owner, module, {n: filled(n, high) for n in floats + others})
+            for high in ((False, True) if others else (False,))]  # fmt: skip
+    if runs[0] is None or runs[-1] is None:
+        return {}
+    low, high = runs[0], runs[-1]
+    got = {n: low[n] for n in floats if not bool(low[n].isnan().all())}
+    got |= {n: low[n] for n in others if torch.equal(low[n], high[n])}
+    return {n: v for n, v in got.items() if isinstance(v, torch.Tensor) and v.device == device}
+
+
+def _init_once(
+    owner: nn.Module, module: nn.Module, fresh: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """`owner._init_weights(module)` run with the buffers `fresh` in place and every other
+    tensor of `module` a meta stand-in (so nothing loaded is touched); `fresh` as it set them,
+    or None if it cannot run this way. `module` is restored."""
+    params, buffers = dict(module._parameters), dict(module._buffers)
     try:
         for k, p in params.items():
             if p is not None:
@@ -141,19 +171,14 @@ def _from_init_weights(
                 )
         with torch.no_grad():
             owner._init_weights(module)
-        got = {n: module._buffers[n] for n in fresh}
+        return {n: module._buffers[n] for n in fresh}
     except Exception:  # noqa: BLE001 (an _init_weights that cannot run this way: rebuild)
-        return {}
+        return None
     finally:
         module._parameters.clear()
         module._parameters.update(params)
         module._buffers.clear()
         module._buffers.update(buffers)
-    return {
-        n: v
-        for n, v in got.items()
-        if isinstance(v, torch.Tensor) and v.device == device and not bool(v.isnan().all())
-    }
 
 
 def fresh_buffers(
