@@ -211,6 +211,38 @@ def test_unsupported_experts_are_refused_when_the_implementation_is_set(tmp_path
         model.set_experts_implementation("grouped_ep")
 
 
+def _tiny_llama4():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
+        interleave_moe_layer_step=1, no_rope_layers=[1, 1],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Llama4ForCausalLM(cfg)
+
+
+def test_families_off_the_experts_interface_are_refused(tmp_path):
+    """Llama4's experts have the stacked shape but their own forward: "grouped_ep" was accepted
+    and ignored (transformers refuses its own "grouped_mm" there), and ExpertLoadCounter
+    attached a hook that raised at every forward. Now each refuses, naming the class."""
+    from transformers import Llama4ForCausalLM
+
+    from grouped_ep.moe import ExpertLoadCounter
+
+    model = _tiny_llama4()
+    model.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM does not support setting"):
+        Llama4ForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_ep")
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM does not support setting"):
+        model.set_experts_implementation("grouped_ep")
+    with pytest.raises(ValueError, match=r"their family's own forward.*Llama4TextExperts"):
+        ExpertLoadCounter(model)
+    assert model(torch.randint(0, 64, (1, 6))).logits.shape == (1, 6, 64)  # still runs
+
+
 def _ep_rank(rank: int, world: int, kinds: list[str]):
     from torch.distributed.tensor import DTensor
 
@@ -233,6 +265,12 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
         parallelize(shared, mesh)
     assert shared.config._experts_implementation == "eager"
     assert not any(isinstance(p, DTensor) for p in shared.parameters())
+    # Experts of the stacked shape that run their family's own forward (Llama4): refused too;
+    # before, sharded, and the first forward failed in torch.bmm on mixed tensors.
+    llama4 = _tiny_llama4()
+    with pytest.raises(NotImplementedError, match=r"^parallelize: llama4_text \(Llama4TextExp"):
+        parallelize(llama4, mesh)
+    assert not any(isinstance(p, DTensor) for p in llama4.parameters())
     # EP-sharded experts on another implementation: loading would work, a forward says why not.
     eager = make_model("mixtral")
     eager.set_experts_implementation("eager")

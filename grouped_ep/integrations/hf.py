@@ -32,6 +32,7 @@ import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.gr
 from grouped_ep._validate import canonical_device, check_can_hold
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
+from grouped_ep.moe.layers import GroupedExperts
 from grouped_ep.parallel import (
     check_mesh,
     check_reshard,
@@ -218,6 +219,15 @@ def _after_check(original):
     def check_and_adjust(self, experts_implementation):
         chosen = original(self, experts_implementation)
         if chosen == IMPLEMENTATION:
+            # as transformers refuses "grouped_mm" for such a class (`_grouped_mm_can_dispatch`):
+            # its experts, if any, run their own forward, and "grouped_ep" would be ignored
+            can_set = getattr(type(self), "_can_set_experts_implementation", None)
+            if can_set is not None and not can_set():
+                raise NotImplementedError(
+                    f"experts_implementation='grouped_ep': {type(self).__name__} does not "
+                    "support setting an experts implementation (no module of its family is on "
+                    "transformers' experts interface); its own forward would run instead"
+                )
             _check_experts(self)
         return chosen
 
@@ -279,8 +289,20 @@ def parallelize(
     """
     experts = experts_modules(model)
     if not experts:
-        raise ValueError(f"parallelize: {type(model).__name__} has no MoE experts module")
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no experts module grouped_ep can shard "
+            "(stacked expert weights gate_up_proj / up_proj and down_proj [E, ...] with an int "
+            "num_experts, as transformers v5's experts interface keeps them); experts kept as a "
+            "list of per-expert modules are not supported"
+        )
     for module in experts:
+        if not isinstance(module, GroupedExperts) and not uses_experts_interface(module):
+            raise NotImplementedError(
+                f"parallelize: {getattr(getattr(model, 'config', None), 'model_type', '?')} "
+                f"({type(module).__name__}) runs its own experts forward, not "
+                "transformers' experts interface: it cannot compute on EP-sharded weights "
+                "(grouped_ep's forward is used only through that interface)"
+            )
         check_supported(module)
     check_mesh(mesh, "parallelize")
     check_reshard(reshard_after_forward, mesh, "parallelize")

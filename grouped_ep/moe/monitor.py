@@ -29,13 +29,23 @@ def _hf_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     takes the router's `top_k_index` (transformers' experts interface): all but GroupedExperts,
     which is called with offs instead."""
     from grouped_ep.moe.layers import GroupedExperts
-    from grouped_ep.parallel import is_experts_module  # imports grouped_ep.moe: not at the top
+    from grouped_ep.parallel import (  # imports grouped_ep.moe: not at the top
+        is_experts_module,
+        uses_experts_interface,
+    )
 
-    return [
+    found = [
         (name, module)
         for name, module in model.named_modules()
         if is_experts_module(module) and not isinstance(module, GroupedExperts)
     ]
+    own = [f"{n} ({type(m).__name__})" for n, m in found if not uses_experts_interface(m)]
+    if own:  # Llama4's experts: called with the routed tokens, no top_k_index to count
+        raise ValueError(
+            "ExpertLoadCounter: these experts modules run their family's own forward, not "
+            f"transformers' experts interface, and get no top_k_index to count: {', '.join(own)}"
+        )
+    return found
 
 
 def _count(ids: Tensor, num_experts: int) -> Tensor:
