@@ -7,6 +7,15 @@ import numbers
 import torch
 
 
+def check_flag(value: object, what: str, none_ok: bool = False) -> None:
+    """Raise ValueError naming `what` unless `value` is a bool (or None where `none_ok`): a
+    string, number or None would be read as true or false by its truthiness, silently."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or (none_ok and value is None):
+        return
+    expected = "True, False or None" if none_ok else "True or False"
+    raise ValueError(f"{what} must be {expected}, got {value!r}")
+
+
 def is_int(value: object) -> bool:
     """An int, and not a bool (True is an int to Python: `step=True` must not mean step 1)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -413,3 +413,17 @@ def test_load_refuses_a_tie_that_to_empty_split(tmp_path: Path) -> None:
     ck.load(tmp_path, model)
     torch.manual_seed(0)
     assert torch.equal(model.head.weight, _TiedHead().embed.weight)
+
+
+def test_flags_must_be_bools(tmp_path: Path) -> None:
+    """verify=None skipped the checksums, async_save="no" saved in the background,
+    max_shard_size=True wrote one file per tensor: each read by its truthiness."""
+    model = _TiedHead()
+    with pytest.raises(ValueError, match="save: async_save must be True or False, got 'no'"):
+        ck.save(tmp_path, model, async_save="no")
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+    ck.save(tmp_path, model)
+    with pytest.raises(ValueError, match="load: verify must be True or False, got None"):
+        ck.load(tmp_path, model, verify=None)
+    with pytest.raises(ValueError, match="max_shard_size must be a size like '5GB' or an int"):
+        ck.export_hf(model, tmp_path / "hf", max_shard_size=True)

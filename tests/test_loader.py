@@ -962,3 +962,14 @@ def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, monkeypat
     ):
         load_sharded(model, tmp_path / "run: 3")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"strict": None}, {"strict": "no"}, {"dequantize": 0}, {"progress": "no"}]
+)
+def test_flags_must_be_bools(tmp_path, kwargs):
+    # strict=None loaded a partial model (None is falsy), progress="no" showed the bar.
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"load_sharded: {name} must be True(, False)? or"):
+        load_sharded(_fused_model(), tmp_path, **kwargs)

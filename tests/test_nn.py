@@ -110,6 +110,8 @@ def test_moe_on_meta_device_and_bad_arguments():
         GroupedExperts(0, 16, 8)
     with pytest.raises(ValueError, match="intermediate"):
         GroupedExperts(4, 16, 0)
+    with pytest.raises(ValueError, match="MoE: norm_topk_prob must be True or False, got 'no'"):
+        MoE(16, 8, 4, 2, norm_topk_prob="no")  # was read as true
 
 
 @pytest.mark.cuda

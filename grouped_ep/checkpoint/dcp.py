@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import grouped_ep.checkpoint.async_save as background
-from grouped_ep._validate import is_int
+from grouped_ep._validate import check_flag, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import (
@@ -180,11 +180,12 @@ def save(
             step = _as_step(extra["step"], 'extra["step"]')
         elif step is not None:
             step = _as_step(step, "step")
+        check_flag(async_save, "save: async_save")
         if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
             raise CheckpointError(
                 f"save: keep_last must be a positive int or None, got {keep_last!r}"
             )
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         error = e
     all_ok(error, "save: checking its arguments")
 
@@ -348,6 +349,7 @@ def load(
             untouched. An I/O error during the read itself may leave the model partly loaded;
             its message says so.
     """
+    check_flag(verify, "load: verify")
     background.wait_pending("load")
     refuse_meta(model)
     refuse_untied(model)

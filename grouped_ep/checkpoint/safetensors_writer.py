@@ -92,6 +92,10 @@ _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 def parse_size(size: int | str) -> int:
     """Bytes in `size`: an int, or a string like "5GB" (10^9) or "500MiB" (2^20)."""
+    if isinstance(size, bool):
+        raise ValueError(
+            f"export_hf: max_shard_size must be a size like '5GB' or an int, got {size!r}"
+        )
     if isinstance(size, int):
         n = size
     else:

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
-from grouped_ep._validate import canonical_device, check_can_hold, is_int
+from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.loading.converted import (
     align_base_prefix,
@@ -295,6 +295,9 @@ def load_sharded(
     refuse_unknown_names(model, key_map)
     key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     model = unwrapped_model(model)  # torch.compile's, DDP's wrapper: the model inside
+    check_flag(strict, "load_sharded: strict")
+    check_flag(dequantize, "load_sharded: dequantize")
+    check_flag(progress, "load_sharded: progress", none_ok=True)
     if threads is None:
         threads = default_threads()
     if not is_int(threads) or threads < 1:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
-from grouped_ep._validate import check_sizes, is_int, real_number
+from grouped_ep._validate import check_flag, check_sizes, is_int, real_number
 from grouped_ep.moe.balance import RouterOutput, add_aux_loss_grad, load_balancing_loss
 from grouped_ep.moe.dispatch import (
     Dispatcher,
@@ -218,6 +218,7 @@ class MoE(nn.Module):
                 "MoE: aux_loss_coef must be a finite real number >= 0 (0: off), got "
                 f"{aux_loss_coef!r}"
             )
+        check_flag(norm_topk_prob, "MoE: norm_topk_prob")
         gamma = real_number(expert_bias_gamma)
         if expert_bias_gamma is not None and (gamma is None or not 0 < gamma < math.inf):
             raise ValueError(
