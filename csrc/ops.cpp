@@ -28,6 +28,8 @@ TORCH_LIBRARY(grouped_ep, m) {
   // avx512_bf16", "widen to fp32: ...", chosen at run time from the CPU (csrc/cpu/gemm_plan.h;
   // GROUPED_EP_CPU_F32_GEMM and GROUPED_EP_CPU_HALF_GEMM override).
   m.def("cpu_gemm_path(ScalarType dtype) -> str");
+  // Unmaps the blocks the CPU output pool holds (csrc/cpu/out_pool.cpp); returns their bytes.
+  m.def("cpu_pool_release() -> int");
 
   // ---- native reader (csrc/io) --------------------------------------------------------------
   // Copies byte ranges of the files `paths` into the storage of `outs` (contiguous CPU tensors)

@@ -120,6 +120,21 @@ def test_large_outputs_come_back_from_the_pool():
     assert smaller.untyped_storage().nbytes() == smaller.nbytes == 590 * 2048 * 4
 
 
+def test_pool_release_gives_the_blocks_back():
+    # cpu_pool_release unmaps what the pool holds (up to its cap, 1 GiB by default, kept for
+    # the process's life before): the bytes of the dead outputs, none of a live one's.
+    offs = offsets([300, 300])
+    x, w = torch.randn(600, 512), torch.randn(2, 512, 2048)
+    torch.ops.grouped_ep.cpu_pool_release()
+    live = grouped_ep.gemm(x, w, offs)  # 4.7 MiB, alive
+    dead = grouped_ep.gemm(x, w, offs)
+    del dead
+    released = torch.ops.grouped_ep.cpu_pool_release()
+    assert 600 * 2048 * 4 <= released < 2 * 600 * 2048 * 4
+    assert torch.ops.grouped_ep.cpu_pool_release() == 0
+    assert_close(grouped_ep.gemm(x, w, offs), live, torch.float32)  # the pool works on
+
+
 def test_pool_and_populate_env_checked():
     code = (
         "import torch, grouped_ep\n"

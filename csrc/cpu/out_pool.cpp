@@ -13,6 +13,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -98,6 +99,22 @@ class Pool {
     for (const Block& b : drop) unmap(b.p, b.bytes);
   }
 
+  // Unmaps every held block (outputs alive keep theirs); the bytes given back.
+  size_t release() {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(free_);
+      held_ = 0;
+    }
+    size_t bytes = 0;
+    for (const Block& b : drop) {
+      unmap(b.p, b.bytes);
+      bytes += b.bytes;
+    }
+    return bytes;
+  }
+
   static void* map(size_t bytes) {
 #if defined(__linux__)
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -151,5 +168,14 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   c10::Storage storage(c10::Storage::use_byte_size_t(), want, std::move(data), c10::GetCPUAllocator(), true);
   return at::empty({0}, options).set_(storage, 0, sizes);
 }
+
+namespace {
+// torch.ops.grouped_ep.cpu_pool_release(): the held blocks unmapped now, their bytes returned
+// (evaluation or export after CPU training need not keep up to the cap resident).
+int64_t cpu_pool_release() { return static_cast<int64_t>(Pool::get().release()); }
+}  // namespace
+
+// No tensor argument to dispatch on: one kernel for every backend.
+TORCH_LIBRARY_IMPL(grouped_ep, CompositeExplicitAutograd, m) { m.impl("cpu_pool_release", &cpu_pool_release); }
 
 }  // namespace grouped_ep
