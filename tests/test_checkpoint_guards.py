@@ -427,3 +427,21 @@ def test_flags_must_be_bools(tmp_path: Path) -> None:
         ck.load(tmp_path, model, verify=None)
     with pytest.raises(ValueError, match="max_shard_size must be a size like '5GB' or an int"):
         ck.export_hf(model, tmp_path / "hf", max_shard_size=True)
+
+
+def test_save_with_wrong_arguments_names_them_and_writes_nothing(tmp_path: Path) -> None:
+    """`save(root, model, {"step": 5})` (extra= forgotten) or model and optimizer swapped gave an
+    AttributeError from deep inside torch and left a `.tmp-step-*` behind."""
+    model = _TiedHead()
+    opt = torch.optim.AdamW(model.parameters())
+    other = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    cases = [
+        ((model, {"step": 5}), "optimizer must be a torch.optim.Optimizer or None, got dict"),
+        ((opt, model), "model must be an nn.Module, got AdamW"),
+        ((model, None, [1]), "extra must be a dict or None, got list"),
+        ((model, other), r"state dict of the model and optimizer could not be built"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ck.CheckpointError, match=message):
+            ck.save(tmp_path, *args)
+        assert not list(tmp_path.iterdir()), args

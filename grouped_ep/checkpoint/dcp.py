@@ -30,7 +30,6 @@ rank, the overlap of the saved chunks with that rank's shard.
 
 from __future__ import annotations
 
-import numbers
 import os
 import shutil
 import time
@@ -92,6 +91,7 @@ from grouped_ep.checkpoint.layout import (
     restore_swapped_out,
     step_dir_name,
 )
+from grouped_ep.checkpoint.save_args import as_step, check_types
 from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
 
@@ -119,22 +119,6 @@ def _remove_partial(tmp: Path, root: Path) -> str:
 
 
 # ---- save / load --------------------------------------------------------------------------------
-
-
-def _as_step(value: object, name: str) -> int:
-    """A step number given as an int, a numpy int or an integer 0-d tensor (as training loops
-    keep it), as an int; anything else a CheckpointError naming `name` (a float or a tensor
-    step silently ignored numbered the checkpoint after the newest one in the root)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = value.item()
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = int(value)
-    if not is_int(value) or value < 0:
-        raise CheckpointError(
-            f"save: {name} must be a non-negative int (it names the checkpoint), got "
-            f"{value!r} of type {type(value).__name__}"
-        )
-    return value
 
 
 def save(
@@ -176,17 +160,25 @@ def save(
     root = Path(root)
     error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
     try:
+        check_types(model, optimizer, extra)
         if step is None and extra is not None and extra.get("step") is not None:
-            step = _as_step(extra["step"], 'extra["step"]')
+            step = as_step(extra["step"], 'extra["step"]')
         elif step is not None:
-            step = _as_step(step, "step")
+            step = as_step(step, "step")
         check_flag(async_save, "save: async_save")
         if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
             raise CheckpointError(
                 f"save: keep_last must be a positive int or None, got {keep_last!r}"
             )
+        state = state_dicts(model, optimizer)  # before anything is written
     except (CheckpointError, ValueError) as e:
         error = e
+    except Exception as e:  # noqa: BLE001 (torch's get_state_dict: a hook, a foreign optimizer)
+        what = "model and optimizer" if optimizer is not None else "model"
+        error = CheckpointError(
+            f"save: the state dict of the {what} could not be built, nothing was written "
+            f"({type(e).__name__}: {e})"
+        )
     all_ok(error, "save: checking its arguments")
 
     def prepare() -> tuple[int, str, str]:
@@ -274,7 +266,6 @@ def save(
                 )
         return final
 
-    state = state_dicts(model, optimizer)
     writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
     try:
         with dcp_quiet():

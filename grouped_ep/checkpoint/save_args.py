@@ -1,0 +1,40 @@
+"""What `checkpoint.save` checks of its arguments before anything is written (on every rank,
+through one collective: `extra` may be rank 0's alone)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from grouped_ep._validate import is_int
+from grouped_ep.checkpoint.errors import CheckpointError
+
+
+def check_types(model: object, optimizer: object, extra: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"save: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(
+            "save: optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__} (user state goes in extra=)"
+        )
+    if extra is not None and not isinstance(extra, dict):
+        raise CheckpointError(f"save: extra must be a dict or None, got {type(extra).__name__}")
+
+
+def as_step(value: object, name: str) -> int:
+    """A step number given as an int, a numpy int or an integer 0-d tensor (as training loops
+    keep it), as an int; anything else a CheckpointError naming `name` (a float or a tensor
+    step silently ignored numbered the checkpoint after the newest one in the root)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    if not is_int(value) or value < 0:
+        raise CheckpointError(
+            f"save: {name} must be a non-negative int (it names the checkpoint), got "
+            f"{value!r} of type {type(value).__name__}"
+        )
+    return value
