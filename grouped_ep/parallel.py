@@ -325,6 +325,7 @@ def fully_shard_moe(
     sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks, last_blocks = _blocks(model)
+    _refuse_shared_across_blocks(model, [names[id(b)] for b in blocks])
     for module in experts:
         _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
@@ -351,6 +352,23 @@ def fully_shard_moe(
     fully_shard(model, mesh=flat_mesh, **kwargs)
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
     return model
+
+
+def _refuse_shared_across_blocks(model: nn.Module, blocks: list[str]) -> None:
+    """A parameter reachable from two blocks (or from a block and the rest of the model), each
+    its own FSDP unit, would be sharded twice: torch's error came only at the first forward, or
+    as "Cannot concatenate overlapping meshes", naming no parameter."""
+    units: dict[int, dict[str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        unit = next((b for b in blocks if name.startswith(b + ".")), "the model outside its blocks")
+        units.setdefault(id(param), {}).setdefault(unit, name)
+    shared = [" = ".join(u.values()) for u in units.values() if len(u) > 1]
+    if shared:
+        raise ValueError(
+            "fully_shard_moe: these parameters are shared by blocks that become separate FSDP "
+            f"units: {'; '.join(shared)}; give each block its own parameter, or shard the model "
+            "with fully_shard yourself, putting the sharing blocks in one unit"
+        )
 
 
 def _expert_placement(local: int, dp: int):

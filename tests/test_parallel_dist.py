@@ -497,3 +497,31 @@ def test_split_unit_that_its_block_never_calls_is_gathered():
         torch.testing.assert_close(
             grads[name].float(), p.grad.float(), rtol=2e-2, atol=1e-3, msg=name
         )
+
+
+class _SharedRouterLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MoE(8, 16, 4, 2) for _ in range(2)])
+        self.layers[1].router = self.layers[0].router  # one router for both blocks
+
+
+def _shared_router_rank(rank: int, world: int) -> tuple[str, bool]:
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    model = _SharedRouterLM()
+    try:
+        fully_shard_moe(model, make_mesh(1, world))
+    except ValueError as e:
+        return str(e), any(isinstance(p, DTensor) for p in model.parameters())
+    return "", True
+
+
+def test_parameter_shared_by_two_blocks_is_refused_before_sharding():
+    """Each block is its own FSDP unit: a router shared by two blocks was sharded twice, and
+    torch's error came at the first forward (or "Cannot concatenate overlapping meshes")."""
+    for message, sharded in run_ranks(_shared_router_rank, 2, timeout=TIMEOUT):
+        assert "layers.0.router.weight = layers.1.router.weight" in message, message
+        assert not sharded
