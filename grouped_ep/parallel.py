@@ -67,6 +67,13 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
         raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cpu", "cuda") or (
+        device_type == "cuda" and not torch.cuda.is_available()
+    ):
+        raise ValueError(
+            f"make_mesh: device_type must be 'cpu' or 'cuda' (on a machine with a GPU), got "
+            f"{device_type!r}"
+        )
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
     mesh._flatten(DENSE_DIM)
     return mesh
@@ -190,6 +197,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     rank's `E / ep` experts, sliced from the full local tensor (no communication; a meta model
     stays on meta). Sets `module.ep_mesh`. Idempotent. Returns `model`.
     """
+    if not isinstance(ep_mesh, DeviceMesh):
+        raise TypeError(
+            "apply_expert_parallel: ep_mesh must be a 1-D DeviceMesh (e.g. make_mesh(dp, ep)"
+            f"['ep']), got {type(ep_mesh).__name__}"
+        )
     if ep_mesh.ndim != 1:
         raise ValueError(
             f"apply_expert_parallel: ep_mesh must be 1-D (e.g. mesh['ep']), got "
@@ -311,6 +323,11 @@ def fully_shard_moe(
     """
     check_mesh(mesh, "fully_shard_moe")
     check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "fully_shard_moe: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+            f"or None, got {mp_policy!r}"
+        )
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
     experts = check_shardable(model, ep_mesh, "fully_shard_moe", with_fsdp=True)  # first

@@ -892,7 +892,7 @@ def test_bad_device_and_threads_are_named_before_anything_is_read(tmp_path):
         with pytest.raises(ValueError, match=f"init_nonpersistent_buffers: device=.*{message}"):
             init_nonpersistent_buffers(model, device)
     for threads in (2.5, True, 0):
-        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        with pytest.raises(ValueError, match=r"threads must be an int in \[1, 2\*\*31\)"):
             load_sharded(model, tmp_path, threads=threads, device="cpu")
     assert all(t.is_meta for t in model.parameters())
     # A materialized model ignores `device` (nothing goes there), as documented.
@@ -973,3 +973,20 @@ def test_flags_must_be_bools(tmp_path, kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"load_sharded: {name} must be True(, False)? or"):
         load_sharded(_fused_model(), tmp_path, **kwargs)
+
+
+def test_wrong_model_argument_and_unreadable_folder_are_named(tmp_path, monkeypatch):
+    import grouped_ep.loading.safetensors as st
+
+    write_safetensors(tmp_path / "model.safetensors", _fused_state())
+    with pytest.raises(TypeError, match="load_sharded: model must be an nn.Module .* got str"):
+        load_sharded(str(tmp_path), _fused_model())  # swapped: an AttributeError before
+    with pytest.raises(ValueError, match=r"threads must be an int in \[1, 2\*\*31\)"):
+        load_sharded(_fused_model(), tmp_path, threads=2**63)
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(st, "_open_checkpoint", denied)  # a folder without read permission
+    with pytest.raises(LoadError, match="cannot be read .*Permission denied"):
+        load_sharded(_fused_model(), tmp_path)

@@ -132,3 +132,18 @@ def test_moe_without_ep_never_syncs_the_host_on_cuda(aux_loss_coef):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(y).all() and torch.isfinite(moe.experts.gate_up_proj.grad).all()
+
+
+def test_bad_arguments_are_named():
+    # Each was accepted and failed later, or failed deep inside with a message naming nothing.
+    from grouped_ep.moe import load_balancing_loss, route
+
+    probs, counts = torch.full((4, 2), 0.5), torch.tensor([4, 4])
+    for k in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="load_balancing_loss: top_k must be an int >= 1"):
+            load_balancing_loss(probs, counts, k)  # 0 gave inf, -2 a negative loss
+    for k in (0, 3):
+        with pytest.raises(ValueError, match=r"route: top_k must be an int in \[1, 2\]"):
+            route(torch.randn(4, 8), torch.randn(2, 8), k)
+    with pytest.raises(TypeError, match="MoE: dispatcher must have dispatch"):
+        MoE(16, 8, 4, 2, dispatcher=object())  # failed at the first forward

@@ -113,7 +113,10 @@ def export_hf(
     def prepare() -> None:
         if out_dir.exists() and not out_dir.is_dir():
             raise CheckpointError(f"export_hf: {out_dir} exists and is not a directory")
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"export_hf: cannot create {out_dir} ({e})") from e
 
     on_rank0(prepare)
     entries = plan(model, rank, world)

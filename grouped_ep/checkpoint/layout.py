@@ -52,9 +52,15 @@ def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory that `path` names: itself, or the one its `latest` file names.
 
     Raises CheckpointError when `path` is neither a checkpoint (no `.metadata`) nor a root with a
-    `latest` file, or when `latest` names a directory that does not exist.
+    `latest` file, or when `latest` names a directory that does not exist, or cannot be read.
     """
-    path = Path(path)
+    try:
+        return _resolve(Path(path))
+    except OSError as e:  # a folder without read permission
+        raise CheckpointError(f"checkpoint path {path} cannot be read ({e})") from e
+
+
+def _resolve(path: Path) -> Path:
     if (path / METADATA_FILE).is_file():
         return path
     latest = path / LATEST_FILE

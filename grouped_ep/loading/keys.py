@@ -146,7 +146,9 @@ def _ask(key_map, name: str) -> object:
     if isinstance(key_map, Mapping):
         return key_map.get(name)
     if key_map not in ("auto", None):
-        raise ValueError("load_sharded: key_map must be 'auto', None, a callable or a mapping")
+        raise ValueError(
+            f"load_sharded: key_map must be 'auto', None, a callable or a mapping, got {key_map!r}"
+        )
     return None
 
 

@@ -292,6 +292,11 @@ def load_sharded(
         A `LoadReport`. Raises `LoadError` (nothing modified) for a bad checkpoint or mismatch.
     """
     t0 = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"load_sharded: model must be an nn.Module (the model to load into), got "
+            f"{type(model).__name__}; call load_sharded(model, checkpoint)"
+        )
     refuse_unknown_names(model, key_map)
     key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     model = unwrapped_model(model)  # torch.compile's, DDP's wrapper: the model inside
@@ -300,8 +305,8 @@ def load_sharded(
     check_flag(progress, "load_sharded: progress", none_ok=True)
     if threads is None:
         threads = default_threads()
-    if not is_int(threads) or threads < 1:
-        raise ValueError(f"load_sharded: threads must be an int >= 1, got {threads!r}")
+    if not is_int(threads) or not 1 <= threads < 2**31:
+        raise ValueError(f"load_sharded: threads must be an int in [1, 2**31), got {threads!r}")
     if device is None:
         device = default_device(model)
     # "cuda" -> the current device, as tensors report it

@@ -273,7 +273,15 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
     file, or an index file. A directory holding both `model.safetensors` and the index gives
     `model.safetensors`, the file transformers' `from_pretrained` reads there.
     """
-    path = Path(checkpoint)
+    try:
+        return _open_checkpoint(Path(checkpoint))
+    except LoadError:
+        raise
+    except OSError as e:  # a folder without read permission: is_file() of what is inside raises
+        raise LoadError(f"{checkpoint}: cannot be read ({e})") from e
+
+
+def _open_checkpoint(path: Path) -> Checkpoint:
     index_path: Path | None = None
     single: Path | None = None
     if path.is_dir():

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from grouped_ep._validate import real_number
+from grouped_ep._validate import is_int, real_number
 
 __all__ = ["RouterOutput", "load_balancing_loss", "set_aux_loss_scale", "update_expert_bias"]
 
@@ -57,6 +57,8 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
     Returns:
         A scalar in `probs`' dtype; 0 when there are no tokens.
     """
+    if not is_int(top_k) or top_k < 1:
+        raise ValueError(f"load_balancing_loss: top_k must be an int >= 1, got {top_k!r}")
     num_tokens, num_experts = probs.shape
     if num_tokens == 0:
         return probs.sum()

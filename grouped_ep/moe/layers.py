@@ -130,6 +130,11 @@ def route(
         `(logits [T, E], weights [T, k] in x's dtype, expert_ids [T, k] int64)`. The softmax runs
         in fp32 (fp64 for fp64 inputs).
     """
+    if not is_int(top_k) or not 1 <= top_k <= router_weight.shape[0]:
+        raise ValueError(
+            f"route: top_k must be an int in [1, {router_weight.shape[0]}] (the experts), got "
+            f"{top_k!r}"
+        )
     logits = F.linear(x, router_weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     if expert_bias is None:
@@ -232,6 +237,13 @@ class MoE(nn.Module):
         # at run time instead of recompiling for each value.
         self._aux_scale = torch.ones((), dtype=torch.float64, device="cpu")
         self.expert_bias_gamma = gamma
+        if dispatcher is not None and not all(
+            callable(getattr(dispatcher, f, None)) for f in ("dispatch", "combine")
+        ):
+            raise TypeError(
+                "MoE: dispatcher must have dispatch(x, routing) and combine(y, handle) methods, "
+                f"got {type(dispatcher).__name__}"
+            )
         self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
         self.experts = GroupedExperts(num_experts, hidden, intermediate, dtype=dtype, device=device)
