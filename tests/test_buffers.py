@@ -3,6 +3,7 @@ the module's parameters are built on meta, the random number generators are left
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -94,3 +95,24 @@ def test_integer_buffers_set_by_init_weights(tmp_path):
     checkpoint.load(tmp_path / "ck", resumed)
     assert torch.equal(resumed.bert.embeddings.position_ids, ref.bert.embeddings.position_ids)
     assert torch.equal(resumed.eval()(ids).logits, ref(ids).logits)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4), persistent=persistent)
+
+
+def test_unrecomputable_buffer_error_names_the_checkpoint_key(tmp_path):
+    """A non-persistent buffer that cannot be recomputed, whose name the checkpoint holds: the
+    error said "no checkpoint holds them", naming neither the key nor the checkpoint."""
+    from safetensors.torch import save_file
+
+    save_file({"lin.weight": torch.ones(4, 4), "lin.bias": torch.ones(4), "scale": torch.ones(4)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Scaled(persistent=False)
+    with pytest.raises(grouped_ep.LoadError, match=r"none is read from a checkpoint.*has keys "
+                       r"of these names: scale\)"):  # fmt: skip
+        grouped_ep.load_sharded(model, tmp_path, device="cpu")

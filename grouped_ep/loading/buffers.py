@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from grouped_ep._names import unwrapped_name
 from grouped_ep._validate import canonical_device
 from grouped_ep.loading.errors import LoadError
 
@@ -75,6 +76,16 @@ def _parameters_on_meta() -> Iterator[None]:
             yield
         finally:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def nonpersistent_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s non-persistent buffers still on meta, as checkpoints would name
+    them (wrapper components dropped)."""
+    return [
+        unwrapped_name(f"{prefix}.{n}" if prefix else n)
+        for prefix, (_, names) in nonpersistent_buffers(model).items()
+        for n in names
+    ]
 
 
 def _rebuild(module: nn.Module, device: torch.device) -> nn.Module:
@@ -223,8 +234,9 @@ def fresh_buffers(
         failures.extend(failed)
     elif failed:
         raise LoadError(
-            "non-persistent buffers hold no values and no checkpoint holds them; they could not be "
-            "recomputed from their modules' initialization: " + "; ".join(failed) + ". Build "
+            "non-persistent buffers hold no values, and none is read from a checkpoint (they are "
+            "not part of the state dict); they could not be recomputed from their modules' "
+            "initialization: " + "; ".join(failed) + ". Build "
             "these modules on a real device, or set the buffers before the forward."
         )
     return out

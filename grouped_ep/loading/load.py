@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
-from grouped_ep.loading.buffers import fresh_buffers
+from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_names
 from grouped_ep.loading.converted import (
     align_base_prefix,
     conversions_cached,
@@ -389,7 +389,13 @@ def load_sharded(
             f"on meta, or with their current values).{_unreadable_note(ckpt)}"
         )
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
-    buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
+    try:
+        buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
+    except LoadError as e:
+        held = [k for k in nonpersistent_names(model) if k in ckpt]
+        if not held:
+            raise
+        raise LoadError(f"{e} ({ckpt.root} has keys of these names: {', '.join(held)})") from e
 
     direct = [t for t in todo if t.device.type == "cpu" and t.read_dtype == t.tensor.dtype]
     staged = [t for t in todo if not (t.device.type == "cpu" and t.read_dtype == t.tensor.dtype)]
