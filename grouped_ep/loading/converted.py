@@ -134,20 +134,26 @@ _SCALE_ABOVE = 1 << 26  # probe bytes above which a scaled-down probe is tried f
 
 _MEMBERS_CACHE = "_grouped_ep_conversion_members"
 _LAYOUTS_CACHE = "_grouped_ep_converted_layouts"
+_UNPROBED = "_grouped_ep_unprobed"
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")  # a numeric component inside a name: a layer index
 
 
 @contextlib.contextmanager
-def conversions_cached(model) -> Iterator[None]:
+def conversions_cached(model) -> Iterator[dict[str, str]]:
     """Within, `_conversion_members` works the model's conversion groups out once, and
-    `converted_layout` probes each layer's tensors once (see `_layout_for_layer`)."""
+    `converted_layout` probes each layer's tensors once (see `_layout_for_layer`). Yields
+    {tensor name: why its conversion was not probed}, filled instead of warning at once: the
+    caller warns only for tensors no key was found for in the end (gpt-oss's MXFP4 stacks,
+    over the probe limit, are read from their `_blocks` keys)."""
     model.__dict__[_MEMBERS_CACHE] = None
     model.__dict__[_LAYOUTS_CACHE] = {}
+    model.__dict__[_UNPROBED] = unprobed = {}
     try:
-        yield
+        yield unprobed
     finally:
         model.__dict__.pop(_MEMBERS_CACHE, None)
         model.__dict__.pop(_LAYOUTS_CACHE, None)
+        model.__dict__.pop(_UNPROBED, None)
 
 
 def _conversion_members(
@@ -332,14 +338,18 @@ def _probed_layout(
                     return layout
     probe_bytes = _probe_bytes(members)
     if probe_bytes > _PROBE_LIMIT:
-        warnings.warn(
+        why = (
             f"load_sharded: {name} {list(shape)}: transformers' checkpoint conversion is not "
             f"probed for it ({probe_bytes / 2**30:.1f} GiB per probe, over "
             f"{_PROBE_LIMIT / 2**30:.0f} GiB, and no smaller probe scales up to it); its keys "
             "are looked for under the per-expert gate_proj / up_proj / down_proj names, else "
-            "name them with key_map=",
-            stacklevel=2,
+            "name them with key_map="
         )
+        unprobed = model.__dict__.get(_UNPROBED)
+        if unprobed is not None:
+            unprobed[name] = why
+        else:
+            warnings.warn(why, stacklevel=2)
         return None
     return _probe(model, name, members, default_mapping)
 

@@ -102,8 +102,7 @@ def read_quantized(targets: list[Target], files, threads: int, progress) -> tupl
         for qp in plan.pieces:
             q, out = _views(target, data, qp)
             s = _scales(scales, plan.method, qp)
-            rb = torch.from_numpy(qp.row_block)
-            cb = torch.from_numpy(qp.col_block)
+            rb, cb = (torch.from_numpy(b) for b in qp.blocks())
             if cuda:
                 s, rb, cb = (x.to(target.device) for x in (s, rb, cb))
                 dequantize_torch(q, s, rb, cb, plan.method, out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -339,7 +340,7 @@ def load_sharded(
     used: set[str] = set()
     missing, todo, quantized = [], [], []
     try:
-        with conversions_cached(model):
+        with conversions_cached(model) as unprobed:
             for target in targets:
                 target.pieces = resolve_pieces(
                     target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
@@ -379,6 +380,10 @@ def load_sharded(
             todo.append(target)
     except LoadError as e:  # named as the files name them, not as renamed to fit the model
         raise LoadError(_file_key_names(str(e), key_names)) from None
+    for target in (t for t in targets if not t.pieces):  # why, where a probe was skipped
+        names = target.names + (toggle_prefix(model, target.names) if toggles else [])
+        for why in dict.fromkeys(unprobed[n] for n in names if n in unprobed):
+            warnings.warn(why, stacklevel=2)
     if strict and missing:
         on_meta = sum(t.tensor.is_meta for t in targets if not t.pieces)
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")

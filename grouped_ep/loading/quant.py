@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from grouped_ep.loading.errors import LoadError
-from grouped_ep.loading.plan import Piece, Target, coalesce, owned_indices, piece_ranges
+from grouped_ep.loading.plan import (
+    Piece,
+    Target,
+    coalesce,
+    owned_boxes,
+    owned_indices,
+    piece_ranges,
+)
 from grouped_ep.loading.safetensors import Checkpoint, TensorEntry
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -146,7 +153,9 @@ class QuantPiece:
     box: per dim, the slice of the local tensor it fills. scale: the scale tensor's entry;
     scale_at/scale_shape: where its covering blocks land in the target's scale buffer (bytes)
     and their shape `[A, SR, SC]`; row_block/col_block: for each local row/column of the box,
-    the index of its block in that buffer.
+    the index of its block in that buffer (`blocks()`), kept as (first index in the piece, block
+    size, first block) where the box's indices are consecutive: arrays per row and column of
+    every per-expert key of DeepSeek-V3 took 3.3 GB to plan, a review measured.
     """
 
     piece: Piece
@@ -154,8 +163,41 @@ class QuantPiece:
     box: tuple[slice, ...]
     scale_at: int
     scale_shape: tuple[int, int, int]
-    row_block: np.ndarray
-    col_block: np.ndarray
+    row_block: np.ndarray | tuple[int, int, int]
+    col_block: np.ndarray | tuple[int, int, int]
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row_block, col_block) as int64 arrays, one entry per row / column of the box."""
+        return tuple(  # type: ignore[return-value]
+            _expand(b, s.stop - s.start) for b, s in ((self.row_block, self.box[-2]),
+                                                     (self.col_block, self.box[-1]))
+        )  # fmt: skip
+
+
+def _expand(blocks: np.ndarray | tuple[int, int, int], n: int) -> np.ndarray:
+    if not isinstance(blocks, tuple):
+        return blocks
+    first, size, first_block = blocks
+    return np.arange(first, first + n, dtype=np.int64) // size - first_block
+
+
+def _consecutive(rel: np.ndarray) -> bool:
+    return len(rel) > 0 and int(rel[-1]) - int(rel[0]) == len(rel) - 1
+
+
+def _used_blocks(rel: np.ndarray, size: int) -> np.ndarray:
+    """The sorted distinct blocks (of `size`) that the increasing indices `rel` fall in."""
+    if _consecutive(rel):
+        return np.arange(int(rel[0]) // size, int(rel[-1]) // size + 1, dtype=np.int64)
+    return np.unique(rel // size)
+
+
+def _compact(rel: np.ndarray, size: int, used: np.ndarray) -> np.ndarray | tuple[int, int, int]:
+    """Block of each index in `rel` (blocks of `size`), as a position in `used` (the sorted
+    distinct blocks): `_expand`'s tuple where `rel` is consecutive, else the array."""
+    if _consecutive(rel):
+        return int(rel[0]), size, int(used[0])
+    return np.searchsorted(used, rel // size)
 
 
 @dataclass
@@ -299,6 +341,7 @@ def plan_quant(
     byte_owned = full[:-1] + [full[-1][0::pack] // pack]
     byte_global = gshape[:-1] + (gshape[-1] // pack,)
     nd = len(gshape)
+    byte_box = owned_boxes(byte_owned, byte_global)  # interval arithmetic where consecutive
     files, srcs, dsts, lens, outs = [], [], [], [], []
     pieces, scale_at, scale_keys = [], 0, []
 
@@ -318,19 +361,23 @@ def plan_quant(
             piece.offset[:-1] + (piece.offset[-1] // pack,),
             piece.shape[:-1] + (piece.shape[-1] // pack,),
         )
-        add(piece.entry, 0, piece_ranges(byte_owned, byte_global, bytes_piece))
+        add(piece.entry, 0, piece_ranges(byte_owned, byte_global, bytes_piece, byte_box))
         boxes, rels = zip(*(_box(full[d], piece.offset[d], piece.shape[d]) for d in range(nd)))
         if any(b.stop == b.start for b in boxes):
             continue
-        rows_b, cols_b = rels[-2] // br, rels[-1] // bc
-        ublock_r, ublock_c = np.unique(rows_b), np.unique(cols_b)
+        ublock_r, ublock_c = _used_blocks(rels[-2], br), _used_blocks(rels[-1], bc)
         sgshape = piece.shape[:-2] + tuple(scale.shape[-2:])
         # The scale tensor in the piece's own coordinates: the same leading dims (a per-expert
         # key's size-1 expert dim holds no bytes), then the blocks covering this rank's rows and
         # columns, each once.
         s_owned = list(rels[:-2]) + [ublock_r, ublock_c]
         s_piece = Piece(scale, (0,) * nd, sgshape)
-        add(scale, 1, piece_ranges(s_owned, sgshape, s_piece), scale_at)
+        add(
+            scale,
+            1,
+            piece_ranges(s_owned, sgshape, s_piece, owned_boxes(s_owned, sgshape)),
+            scale_at,
+        )
         lead = int(np.prod([len(r) for r in rels[:-2]], dtype=np.int64))
         sshape = (lead, len(ublock_r), len(ublock_c))
         pieces.append(
@@ -340,8 +387,8 @@ def plan_quant(
                 boxes,
                 scale_at,
                 sshape,
-                np.searchsorted(ublock_r, rows_b),
-                np.searchsorted(ublock_c, cols_b),
+                _compact(rels[-2], br, ublock_r),
+                _compact(rels[-1], bc, ublock_c),
             )
         )
         scale_at += int(np.prod(sshape)) * scale.dtype.itemsize
