@@ -51,31 +51,47 @@ def nonpersistent_buffers(
     return out
 
 
-_REGISTER_LOCK = threading.Lock()
+_ON_META = threading.local()  # .active: this thread is inside `_parameters_on_meta`
+_PATCH_LOCK = threading.Lock()
+
+
+def _install_patch() -> None:
+    """Wrap `nn.Module.register_parameter` once, for good: in a thread inside
+    `_parameters_on_meta` a registered parameter moves to meta; elsewhere nothing changes (a
+    patch of the method for the duration put other threads' new parameters on meta too)."""
+    with _PATCH_LOCK:
+        register = nn.Module.register_parameter
+        if getattr(register, "__grouped_ep_on_meta__", False):
+            return
+
+        def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(self, name, param)
+            if not getattr(_ON_META, "active", False):
+                return
+            held = self._parameters.get(name)
+            if held is not None and not held.is_meta:
+                self._parameters[name] = nn.Parameter(
+                    held.detach().to("meta"), requires_grad=held.requires_grad
+                )
+
+        register_parameter.__grouped_ep_on_meta__ = True  # type: ignore[attr-defined]
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Within, every parameter a module registers is moved to meta as it is registered, before
-    its initialization writes it: a constructor then builds its buffers on the device and its
-    parameters cost no memory and no random numbers. The memory of each parameter is taken
-    before the move, untouched (an untouched allocation costs no physical memory)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(self, name, param)
-        held = self._parameters.get(name)
-        if held is not None and not held.is_meta:
-            self._parameters[name] = nn.Parameter(
-                held.detach().to("meta"), requires_grad=held.requires_grad
-            )
-
-    with _REGISTER_LOCK:
-        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = register  # type: ignore[method-assign]
+    """Within, in this thread, every parameter a module registers is moved to meta as it is
+    registered, before its initialization writes it: a constructor then builds its buffers on
+    the device and its parameters cost no memory and no random numbers. The memory of each
+    parameter is taken before the move, untouched (an untouched allocation costs no physical
+    memory)."""
+    _install_patch()
+    before = getattr(_ON_META, "active", False)
+    _ON_META.active = True
+    try:
+        yield
+    finally:
+        _ON_META.active = before
 
 
 def nonpersistent_names(model: nn.Module) -> list[str]:
