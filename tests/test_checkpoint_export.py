@@ -253,7 +253,11 @@ def _ddp_export_and_load(rank: int, world_size: int, out: str) -> bool:
     fresh = DistributedDataParallel(tiny_qwen3_moe(seed=1))
     load_sharded(fresh, out, key_map={"lm_head.weight": "lm_head.weight"})  # a model's own name
     want = tiny_qwen3_moe(seed=0).state_dict()
-    return all(torch.equal(fresh.module.state_dict()[k], v) for k, v in want.items())
+    same = all(torch.equal(fresh.module.state_dict()[k], v) for k, v in want.items())
+    # a key_map under the wrapper's names (`module.`) too: it was accepted and ignored
+    other = DistributedDataParallel(tiny_qwen3_moe(seed=1))
+    load_sharded(other, out, key_map={"module.lm_head.weight": "model.embed_tokens.weight"})
+    return same and torch.equal(other.module.lm_head.weight, want["model.embed_tokens.weight"])
 
 
 def test_export_and_load_of_a_ddp_model(tmp_path: Path) -> None:

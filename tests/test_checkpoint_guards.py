@@ -445,3 +445,30 @@ def test_save_with_wrong_arguments_names_them_and_writes_nothing(tmp_path: Path)
         with pytest.raises(ck.CheckpointError, match=message):
             ck.save(tmp_path, *args)
         assert not list(tmp_path.iterdir()), args
+
+
+def _tie_through_ddp(rank: int, world: int, root: str) -> list[bool]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    refused = []
+    for save_ddp, load_ddp in ((True, False), (False, True)):
+        path = f"{root}/{save_ddp}-{load_ddp}"
+        model = _TiedHead()
+        ck.save(path, DistributedDataParallel(model) if save_ddp else model)
+        with torch.device("meta"):
+            fresh = _TiedHead()
+        fresh.to_empty(device="cpu")  # unties
+        try:
+            ck.load(path, DistributedDataParallel(fresh) if load_ddp else fresh)
+            refused.append(False)
+        except ck.CheckpointError as e:
+            refused.append("embed.weight = head.weight" in str(e))
+    return refused
+
+
+def test_split_tie_is_refused_through_ddp(tmp_path: Path) -> None:
+    """The shared-tensor record used DDP's `module.` names: saved through DDP and loaded
+    without (or the other way), a split tie loaded as two copies (a review)."""
+    from _dist import run_ranks
+
+    assert run_ranks(_tie_through_ddp, 1, str(tmp_path), timeout=120) == [[True, True]]

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from grouped_ep._names import unwrapped_name
+from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import CheckpointInfo
 
@@ -58,7 +58,7 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     """The model's state-dict keys that name one tensor (a shared parameter: a head tied to the
     embedding, a router shared by layers), in groups of two or more, recorded at save."""
     groups: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in unwrapped_model(model).state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(unwrapped_name(name))
     return [g for g in groups.values() if len(g) > 1]
 
@@ -67,7 +67,9 @@ def refuse_split_ties(model: nn.Module, saved: list[list[str]]) -> None:
     """Keys that were one tensor at save (`tied_groups`) but are separate tensors in `model`
     (`model.to_empty` unties shared parameters): loading would fill each copy from the one saved
     tensor, and training would then update them apart, silently."""
-    now = {unwrapped_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    now = {
+        unwrapped_name(n): t for n, t in unwrapped_model(model).state_dict(keep_vars=True).items()
+    }
     split = []
     for group in saved:
         present = [k for k in group if k in now]

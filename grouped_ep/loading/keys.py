@@ -191,6 +191,27 @@ def resolve_pieces(
     return []
 
 
+def unwrap_ddp(model: nn.Module, key_map) -> tuple[nn.Module, Any]:
+    """The model inside DistributedDataParallel / nn.DataParallel wrappers (nested too), and
+    `key_map` asked under its names there as well as under the wrapper's `module.` names."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    prefix = ""
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model, prefix = model.module, prefix + "module."
+    if not prefix or not (callable(key_map) or isinstance(key_map, Mapping)):
+        return model, key_map
+    if isinstance(key_map, Mapping):
+        return model, {str(k).removeprefix(prefix): v for k, v in key_map.items()}
+    ask = key_map
+
+    def lookup(name: str):
+        value = ask(name)
+        return ask(prefix + name) if value is None else value
+
+    return model, lookup
+
+
 def refuse_unknown_names(model: nn.Module, key_map) -> None:
     """A mapping `key_map` whose entries name no tensor of the model (a typo: `lm_head.weights`)
     would be ignored, and the tensor it meant loaded from its own key: a LoadError instead."""

@@ -44,6 +44,7 @@ from grouped_ep.loading.keys import (
     mapped_keys,
     refuse_unknown_names,
     resolve_pieces,
+    unwrap_ddp,
     with_wrapped_names,
 )
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
@@ -298,6 +299,7 @@ def load_sharded(
             f"load_sharded: model must be an nn.Module (the model to load into), got "
             f"{type(model).__name__}; call load_sharded(model, checkpoint)"
         )
+    model, key_map = unwrap_ddp(model, key_map)  # DDP's `module.` names: the model inside
     refuse_unknown_names(model, key_map)
     key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     model = unwrapped_model(model)  # torch.compile's, DDP's wrapper: the model inside
