@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from grouped_ep._clip_grad import clip_grad_norm_
 from grouped_ep._inference_mode import guard_first_forward
 from grouped_ep._mixed_dtypes import split_dtypes
+from grouped_ep._reshard import reshard_after_gradless_forward
 from grouped_ep._validate import is_int
 from grouped_ep.moe import GroupedExperts
 
@@ -368,6 +369,7 @@ def fully_shard_moe(
     split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
+    reshard_after_gradless_forward(model)  # else an optimizer built next holds gathered tensors
     return model
 
 

@@ -525,3 +525,42 @@ def test_parameter_shared_by_two_blocks_is_refused_before_sharding():
     for message, sharded in run_ranks(_shared_router_rank, 2, timeout=TIMEOUT):
         assert "layers.0.router.weight = layers.1.router.weight" in message, message
         assert not sharded
+
+
+def _optimizer_after_eval_rank(rank: int, world: int, root: str) -> tuple[int, int, str]:
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep import checkpoint
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    model = fully_shard_moe(make_model(4), make_mesh(1, world))
+    ids = batches(world, 1)[0][rank]
+    with torch.no_grad():  # an evaluation first: the root and the last block stayed gathered
+        model(ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    lm_loss(model, ids).backward()
+    opt.step()
+    unchanged = sum(torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
+    model(ids)  # gradients on, no backward: units stay gathered, this optimizer is built wrong
+    wrong = torch.optim.AdamW(model.parameters())
+    try:
+        checkpoint.save(root, model, wrong)
+        message = ""
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    plain = sum(not isinstance(p, DTensor) for p in model.parameters())
+    return unchanged, plain, message
+
+
+def test_optimizer_built_after_an_evaluation_trains_every_parameter(tmp_path):
+    """After a no-grad forward the root and the last block stayed gathered: an optimizer built
+    then held their gathered tensors, and training left those parameters unchanged, silently (a
+    review: 9 of 25); save with it crashed the process. Now units are resharded after such a
+    forward, and save refuses an optimizer that holds tensors not the model's."""
+    for unchanged, plain, message in run_ranks(
+        _optimizer_after_eval_rank, 2, str(tmp_path), timeout=TIMEOUT
+    ):
+        assert unchanged == 0
+        assert plain == 0  # save resharded what the grad-enabled forward left gathered
+        assert "optimizer holds tensors that are not the model's parameters" in message

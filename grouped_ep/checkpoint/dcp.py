@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import grouped_ep.checkpoint.async_save as background
+from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
@@ -91,7 +92,7 @@ from grouped_ep.checkpoint.layout import (
     restore_swapped_out,
     step_dir_name,
 )
-from grouped_ep.checkpoint.save_args import as_step, check_types
+from grouped_ep.checkpoint.save_args import as_step, check_optimizer_params, check_types
 from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
 
@@ -170,6 +171,8 @@ def save(
             raise CheckpointError(
                 f"save: keep_last must be a positive int or None, got {keep_last!r}"
             )
+        reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
+        check_optimizer_params(model, optimizer, "save")
         state = state_dicts(model, optimizer)  # before anything is written
     except (CheckpointError, ValueError) as e:
         error = e
@@ -342,6 +345,8 @@ def load(
     """
     check_flag(verify, "load: verify")
     background.wait_pending("load")
+    reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
+    check_optimizer_params(model, optimizer, "load")
     refuse_meta(model)
     refuse_untied(model)
     fresh = optimizer is not None and not optimizer.state

@@ -38,3 +38,29 @@ def as_step(value: object, name: str) -> int:
             f"{value!r} of type {type(value).__name__}"
         )
     return value
+
+
+def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> None:
+    """After `reshard_all`: every tensor the optimizer holds must be a parameter of the model. An
+    optimizer built while FSDP units were gathered (after a forward with gradients on and no
+    backward) holds their full, plain tensors, which no training step reaches; torch's
+    optimizer-state init then crashed the process in save and load."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    params = {id(p) for p in model.parameters()}
+    foreign = [
+        f"group {g} item {i} {list(p.shape)}"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) not in params
+    ]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (
+            f", ... ({len(foreign)} in all)" if len(foreign) > 3 else ""
+        )
+        raise CheckpointError(
+            f"{caller}: the optimizer holds tensors that are not the model's parameters: {shown}. "
+            "Was it built after a forward with no backward, while FSDP units were gathered (their "
+            "parameters then are the gathered tensors)? Build it from model.parameters() after a "
+            "backward or a forward under torch.no_grad(), or before any forward"
+        )

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
+from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
 from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_names
 from grouped_ep.loading.converted import (
@@ -187,25 +187,6 @@ def _targets(model: nn.Module) -> list[Target]:
                 target.names.append(dot + attr)
             target.slots.append((module, attr))
     return list(by_id.values())
-
-
-def reshard_all(model: nn.Module) -> None:
-    """Shard every FSDP2 unit of `model` that a forward left gathered (no reshard after its
-    forward: the root, the last block; or a forward that raised, which leaves units in FSDP's
-    forward state, where `reshard()` does nothing). Their gathered tensors are freed by the
-    next `state_dict()` or forward: tensors taken from the model must be the sharded ones."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11: one group
-        if groups is None:
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
-            group._training_state = TrainingState.IDLE
-        module.reshard()
 
 
 def _swap(target: Target) -> None:
