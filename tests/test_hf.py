@@ -950,3 +950,32 @@ def test_probe_of_mixtral_8x7b_rows_is_int16_and_finds_its_keys():
         for j, w in enumerate(("w1", "w3"))
     ]
     assert sorted(layout) == sorted(want)
+
+
+def test_qwen3_vl_moe_hub_layout_is_transposed_as_transformers_does(tmp_path):
+    """Qwen3-VL-MoE's Hub files hold the experts as [E, H, 2I] and [E, I, H]; transformers keeps
+    the key and transposes it where its shape is not the parameter's (Transpose(check_dims)).
+    load_sharded raised a shape mismatch, and no key_map can transpose (a review)."""
+    from _hf_families import family, tiny_config
+    from safetensors.torch import load_file, save_file
+
+    from grouped_ep import load_sharded
+
+    fam = family("qwen3_vl_moe")
+    cfg = tiny_config(fam)
+    cfg.text_config.moe_intermediate_size = cfg.text_config.hidden_size // 4  # not square
+    torch.manual_seed(0)
+    model = fam.model_class(cfg)
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    moved = [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for key in moved:
+        state[key] = state[key].transpose(1, 2).contiguous()  # as the Hub files hold them
+    assert moved and all(state[k].shape[1] != state[k].shape[2] for k in moved)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ref = fam.model_class.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        fresh = fam.model_class(model.config)
+    load_sharded(fresh, tmp_path, device="cpu")
+    for name, value in ref.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name

@@ -41,7 +41,7 @@ _CLASS_NAMES_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _own_class_names(model) -> Iterator[None]:
+def own_class_names(model) -> Iterator[None]:
     """For the duration, every FSDP2-wrapped module of `model` shows its own class's name and
     module instead of FSDP2's `FSDP<Name>` subclass, which is defined in torch.
 
@@ -82,7 +82,7 @@ def revert_conversion(
     from transformers.core_model_loading import revert_weight_conversion
 
     recorded = model.__dict__.get("_weight_conversions", _NONE)
-    with _own_class_names(model):
+    with own_class_names(model):
         if not default_mapping or recorded is _NONE:
             return revert_weight_conversion(model, state_dict)
         model.__dict__["_weight_conversions"] = None
@@ -112,7 +112,7 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
 
-        with _own_class_names(model):
+        with own_class_names(model):
             forward = None if default_mapping else getattr(model, "_weight_conversions", None)
             if forward is None:
                 forward = get_model_conversion_mapping(model, add_legacy=False)

@@ -21,7 +21,11 @@ from typing import Any
 from torch import nn
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
-from grouped_ep.loading.converted import converted_layout
+from grouped_ep.loading.converted import (
+    converted_layout,
+    is_transformers_model,
+    own_class_names,
+)
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.plan import Piece
 from grouped_ep.loading.safetensors import Checkpoint
@@ -35,6 +39,34 @@ _EXPERT_PARAM = re.compile(r"^(?P<prefix>(?:.+\.)?experts)\.(?P<proj>[^.]+)$")
 # each model dim follows, when the piece is only part of the key or the key is transposed[, the
 # shape the key is read as, when that is a view of it with one dim split in two]])
 Layout = list[tuple]
+
+
+def same_name_transpose(model, name: str) -> tuple[int, int] | None:
+    """(dim0, dim1) of a transformers conversion that keeps `name`'s key and transposes it where
+    its shape is not the model tensor's (`Transpose(check_dims=True)`: qwen3_vl_moe's experts,
+    whose Hub files hold `[E, H, 2I]`), else None. Probes cannot show it: the key keeps the
+    tensor's name, and the op compares shapes with the model's real parameter."""
+    if not is_transformers_model(model):
+        return None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Transpose, WeightConverter
+
+        with own_class_names(model):
+            mapping = get_model_conversion_mapping(model, add_legacy=False)
+        for conv in mapping:
+            if (
+                not isinstance(conv, WeightConverter)
+                or conv.source_patterns != conv.target_patterns
+            ):
+                continue
+            ops = [op for op in conv.operations if isinstance(op, Transpose) and op.check_dims]
+            patterns = [re.escape(p).replace(r"\*", r"[^.]+") for p in conv.source_patterns]
+            if len(ops) == 1 and any(re.search(rf"(^|\.){p}$", name) for p in patterns):
+                return ops[0].dim0, ops[0].dim1
+    except Exception:  # noqa: BLE001 (an internal API that moved: no such conversion known)
+        return None
+    return None
 
 
 def _stacked(prefix: str, experts: int, names: Sequence[str], rows: int, cols: int) -> Layout:
@@ -51,6 +83,12 @@ def _auto_layouts(name: str, shape: tuple[int, ...], ckpt: Checkpoint, model=Non
     zero = (0,) * len(shape)
     layouts = [[(name, zero, shape, shape)]]
     if name in ckpt:
+        swap = same_name_transpose(model, name) if ckpt[name].shape != shape else None
+        if swap is not None:  # transformers transposes such a key where its shape differs
+            dims = list(range(len(shape)))
+            dims[swap[0]], dims[swap[1]] = dims[swap[1]], dims[swap[0]]
+            file_shape = tuple(shape[d] for d in dims)
+            return [[(name, zero, shape, file_shape, zero, tuple(dims))]]
         return layouts
     converted = converted_layout(model, name, shape, ckpt=ckpt) if model is not None else None
     if converted:
