@@ -67,6 +67,27 @@ constexpr int64_t kKBlock = 256;  // fp32 steps summed from zero before they are
 // starts at a + i * am + s * ak; `half_tail` (bf16): A has an odd K read in place, so the last
 // step is A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
 // pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop).
+// acc[i] += sum over steps [s0, s1) of A's lane (i, s) * B's lane s (fp32), prefetching pf[s].
+template <int MR>
+GE_AVX512 inline __attribute__((always_inline)) void f32_steps(__m512 (&acc)[MR][2], int64_t s0, int64_t s1,
+                                                               const float* a, int64_t am, int64_t ak,
+                                                               const float* bp, const char* const* pf,
+                                                               int64_t lines) {
+  for (int64_t s = s0; s < s1; ++s) {
+    if (s < lines) _mm_prefetch(pf[s], _MM_HINT_T1);
+    const __m512 b0 = _mm512_loadu_ps(bp + s * kNR), b1 = _mm512_loadu_ps(bp + s * kNR + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * am + s * ak]);
+      acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+    }
+  }
+}
+
+// C[i, 0:cols] = sum over steps of A's lane (i, s) . B's lane s, for i < MR. A's lane (i, s)
+// starts at a + i * am + s * ak; `half_tail` (bf16): A has an odd K read in place, so the last
+// step is A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
+// pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop).
 template <typename T, int MR>
 GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int64_t ak, const T* bp, T* c,
                      int64_t ldc, int64_t cols, const char* const* pf, int64_t lines) {
@@ -75,31 +96,26 @@ GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int6
   const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
   if constexpr (kPer<T> == 1) {
-    // fp32 sums each block of kKBlock steps from zero and adds it to C: one running sum over a
-    // large K (a weight gradient's K is a group's row count) was 4x-8x further from an fp64
-    // reference than at::mm at K = 4096 to 32768 (a review, 2026-11-26).
-    for (int64_t s0 = 0; s0 < steps; s0 += kKBlock) {
-      const int64_t s1 = steps - s0 < kKBlock ? steps : s0 + kKBlock;
-      for (int64_t s = s0; s < s1; ++s) {
-        if (s < lines) _mm_prefetch(pf[s], _MM_HINT_T1);
-        const __m512 b0 = _mm512_loadu_ps(bp + s * kNR), b1 = _mm512_loadu_ps(bp + s * kNR + 16);
+    if (steps <= kKBlock) {
+      f32_steps<MR>(acc, 0, steps, a, am, ak, bp, pf, lines);
+    } else {
+      // fp32 sums each block of kKBlock steps from zero and adds it to C: one running sum over
+      // a large K (a weight gradient's K is a group's row count) was 4x-8x further from an
+      // fp64 reference than at::mm at K = 4096 to 32768 (a review, 2026-11-26).
+      for (int64_t s0 = 0; s0 < steps; s0 += kKBlock) {
+        const int64_t s1 = steps - s0 < kKBlock ? steps : s0 + kKBlock;
+        f32_steps<MR>(acc, s0, s1, a, am, ak, bp, pf, lines);
         for (int i = 0; i < MR; ++i) {
-          const __m512 av = _mm512_set1_ps(a[i * am + s * ak]);
-          acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
-          acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
-        }
-      }
-      if (s0 == 0 && s1 == steps) break;  // one block: stored below
-      for (int i = 0; i < MR; ++i) {
-        float* row = reinterpret_cast<float*>(c + i * ldc);
-        if (s0 > 0) {
-          acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, row));
-          acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_maskz_loadu_ps(m1, row + 16));
-        }
-        if (s1 < steps) {
-          _mm512_mask_storeu_ps(row, m0, acc[i][0]);
-          _mm512_mask_storeu_ps(row + 16, m1, acc[i][1]);
-          acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+          float* row = reinterpret_cast<float*>(c + i * ldc);
+          if (s0 > 0) {
+            acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, row));
+            acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_maskz_loadu_ps(m1, row + 16));
+          }
+          if (s1 < steps) {  // the last block's sums are stored below
+            _mm512_mask_storeu_ps(row, m0, acc[i][0]);
+            _mm512_mask_storeu_ps(row + 16, m1, acc[i][1]);
+            acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+          }
         }
       }
     }
