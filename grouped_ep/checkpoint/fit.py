@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
-from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.errors import CheckpointError, listed
 from grouped_ep.checkpoint.inspect import CheckpointInfo
 
 
@@ -25,11 +25,8 @@ def refuse_meta(model: nn.Module) -> None:
         if (t.to_local() if isinstance(t, DTensor) else t).is_meta
     ]
     if on_meta:
-        shown = ", ".join(on_meta[:3]) + (
-            f", ... ({len(on_meta)} in all)" if len(on_meta) > 3 else ""
-        )
         raise CheckpointError(
-            f"load: the model's tensors are on the meta device ({shown}); nothing can be loaded "
+            f"load: the model's tensors are on the meta device ({listed(on_meta)}); nothing can be loaded "
             "into them. Materialize the model first (model.to_empty(device=...), or "
             "grouped_ep.load_sharded from a Hugging Face checkpoint), then load"
         )

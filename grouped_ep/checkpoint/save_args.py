@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from grouped_ep._validate import is_int
-from grouped_ep.checkpoint.errors import CheckpointError
+from grouped_ep.checkpoint.errors import CheckpointError, listed
 
 
 def check_types(model: object, optimizer: object, extra: object) -> None:
@@ -55,11 +55,9 @@ def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> 
         if id(p) not in params
     ]
     if foreign:
-        shown = ", ".join(foreign[:3]) + (
-            f", ... ({len(foreign)} in all)" if len(foreign) > 3 else ""
-        )
         raise CheckpointError(
-            f"{caller}: the optimizer holds tensors that are not the model's parameters: {shown}. "
+            f"{caller}: the optimizer holds tensors that are not the model's parameters: "
+            f"{listed(foreign)}. "
             "Was it built after a forward with no backward, while FSDP units were gathered (their "
             "parameters then are the gathered tensors)? Build it from model.parameters() after a "
             "backward or a forward under torch.no_grad(), or before any forward"
