@@ -37,8 +37,11 @@ def reshard_after_gradless_forward(root: nn.Module) -> None:
     held their gathered tensors, which no step reached (a review: 9 of 25 parameters unchanged
     by training), and `checkpoint.save` with it crashed in torch's optimizer-state init."""
 
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            reshard_all(module)
+        if not torch.is_grad_enabled():  # the forward finished: its units are idle
+            for unit in units:
+                unit.reshard()
 
     root.register_forward_hook(post)

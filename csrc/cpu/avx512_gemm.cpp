@@ -63,10 +63,6 @@ constexpr int64_t kKBlock = 256;  // fp32 steps summed from zero before they are
 // One instruction set for both types (fp32 included), so the caller requires avx512_bf16 for either.
 #define GE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prfchw")))
 
-// C[i, 0:cols] = sum over steps of A's lane (i, s) . B's lane s, for i < MR. A's lane (i, s)
-// starts at a + i * am + s * ak; `half_tail` (bf16): A has an odd K read in place, so the last
-// step is A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
-// pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop).
 // acc[i] += sum over steps [s0, s1) of A's lane (i, s) * B's lane s (fp32), prefetching pf[s].
 template <int MR>
 GE_AVX512 inline __attribute__((always_inline)) void f32_steps(__m512 (&acc)[MR][2], int64_t s0, int64_t s1,

@@ -324,19 +324,19 @@ def _probed_layout(
         return None
     members = _conversion_members(model, name, default_mapping) or {name: shape}
     members[name] = shape
-    if _probe_bytes(members) > _SCALE_ABOVE:
-        f = scaled.scale_factor(members.values())
-        if f >= 4:  # two scales, f and f / 2, both below the real size
-            small, double = (
-                _probe(model, name, {n: scaled.scaled(s, g) for n, s in members.items()},
-                       default_mapping)
-                for g in (f, f // 2)
-            )  # fmt: skip
-            if small is not None and double is not None:
-                layout = scaled.grown(small, double, shape, f)
-                if layout is not None:
-                    return layout
     probe_bytes = _probe_bytes(members)
+    f = scaled.scale_factor(members.values()) if probe_bytes > _SCALE_ABOVE else 1
+    if f >= 4:  # two scales, f and f / 2, both below the real size
+
+        def at(g: int) -> Layout | None:
+            smaller = {n: scaled.scaled(s, g) for n, s in members.items()}
+            return _probe(model, name, smaller, default_mapping)
+
+        small = at(f)
+        double = at(f // 2) if small is not None else None
+        layout = scaled.grown(small, double, shape, f) if double is not None else None
+        if layout is not None:
+            return layout
     if probe_bytes > _PROBE_LIMIT:
         why = (
             f"load_sharded: {name} {list(shape)}: transformers' checkpoint conversion is not "

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from grouped_ep._names import unwrapped_model, unwrapped_name
+from grouped_ep._names import unwrapped_name
 from grouped_ep.loading.converted import (
     converted_layout,
     is_transformers_model,
@@ -255,12 +255,10 @@ def refuse_unknown_names(model: nn.Module, key_map) -> None:
     would be ignored, and the tensor it meant loaded from its own key: a LoadError instead."""
     if not isinstance(key_map, Mapping):
         return
-    names = set()
-    for m in (model, unwrapped_model(model)):  # DDP's `module.` names, or the model's own
-        for n, _ in chain(
-            m.named_parameters(remove_duplicate=False), m.named_buffers(remove_duplicate=False)
-        ):
-            names |= {n, unwrapped_name(n)}
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    names = {m for n, _ in named for m in (n, unwrapped_name(n))}  # also `_orig_mod.` names
     unknown = [k for k in key_map if k not in names]
     if unknown:
         hints = [difflib.get_close_matches(str(k), names, n=1) for k in unknown[:5]]
