@@ -63,9 +63,6 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
 
     if any(not is_int(v) or v < 1 for v in (dp, ep)):
         raise ValueError(f"make_mesh: dp and ep must be ints >= 1, got dp={dp!r}, ep={ep!r}")
-    world = dist.get_world_size()
-    if dp * ep != world:
-        raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type not in ("cpu", "cuda") or (
@@ -75,6 +72,9 @@ def make_mesh(dp: int, ep: int, device_type: str | None = None) -> DeviceMesh:
             f"make_mesh: device_type must be 'cpu' or 'cuda' (on a machine with a GPU), got "
             f"{device_type!r}"
         )
+    world = dist.get_world_size()
+    if dp * ep != world:
+        raise ValueError(f"make_mesh: dp*ep = {dp}*{ep} = {dp * ep} but the world size is {world}")
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
     mesh._flatten(DENSE_DIM)
     return mesh
@@ -322,13 +322,13 @@ def fully_shard_moe(
     `reshard_after_forward` as `fully_shard` takes it; an int must divide both FSDP group sizes
     here, `dp` (the experts) and `dp * ep` (the rest), else it is a ValueError.
     """
-    check_mesh(mesh, "fully_shard_moe")
-    check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             "fully_shard_moe: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
             f"or None, got {mp_policy!r}"
         )
+    check_mesh(mesh, "fully_shard_moe")
+    check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
     dp, ep = mesh.size(0), mesh.size(1)
     ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
     experts = check_shardable(model, ep_mesh, "fully_shard_moe", with_fsdp=True)  # first

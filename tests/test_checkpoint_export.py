@@ -316,3 +316,31 @@ def test_export_of_blocks_compiled_one_by_one(tmp_path: Path) -> None:
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert not [k for k in index["weight_map"] if "_orig_mod" in k]
     _check_export(tmp_path / "hf")
+
+
+def test_folders_without_permission_are_checkpoint_errors(tmp_path: Path, monkeypatch) -> None:
+    # Root ignores chmod, so the refusals a user without permission gets are injected where the
+    # file system gives them: a read of a listing-less folder, a mkdir in a read-only one.
+    model = tiny_qwen3_moe(seed=0)
+    ck.save(tmp_path / "ckpt", model, step=1)
+    denied = (tmp_path / "ckpt", tmp_path / "ro")
+    is_file, mkdir = Path.is_file, Path.mkdir
+
+    def no_read(self: Path) -> bool:
+        if self.parent in denied:
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    def no_write(self: Path, *args, **kwargs) -> None:
+        if self.parent in denied:
+            raise PermissionError(13, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "is_file", no_read)
+    monkeypatch.setattr(Path, "mkdir", no_write)
+    for call in (lambda: ck.load(tmp_path / "ckpt", model), lambda: ck.describe(tmp_path / "ckpt")):
+        with pytest.raises(ck.CheckpointError, match="ckpt cannot be read .*Permission denied"):
+            call()
+    with pytest.raises(ck.CheckpointError, match="export_hf: cannot create .*ro/hf.*Permission"):
+        ck.export_hf(model, tmp_path / "ro" / "hf")
+    assert not (tmp_path / "ro").exists()

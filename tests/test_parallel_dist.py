@@ -403,6 +403,26 @@ def test_make_mesh_sizes_must_be_ints():
             make_mesh(dp, ep)
 
 
+def test_mesh_and_policy_arguments_of_the_wrong_kind_are_named():
+    # Checked before any process group is needed: none exists in this process.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from grouped_ep.parallel import apply_expert_parallel, fully_shard_moe, make_mesh
+
+    bad = ["tpu", "gpu", "", 0] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device_type in bad:
+        with pytest.raises(ValueError, match="make_mesh: device_type must be 'cpu' or 'cuda'"):
+            make_mesh(1, 1, device_type=device_type)
+    for mesh in ("ep", None, [0, 1]):
+        with pytest.raises(TypeError, match="apply_expert_parallel: ep_mesh must be a 1-D"):
+            apply_expert_parallel(nn.Linear(2, 2), mesh)
+    for policy in ("bf16", torch.bfloat16, {"param_dtype": torch.bfloat16}):
+        with pytest.raises(TypeError, match="fully_shard_moe: mp_policy must be a .*"):
+            fully_shard_moe(nn.Linear(2, 2), None, mp_policy=policy)
+    with pytest.raises(TypeError, match="fully_shard_moe: mesh must be the DeviceMesh"):
+        fully_shard_moe(nn.Linear(2, 2), None, mp_policy=MixedPrecisionPolicy())
+
+
 def test_clip_grad_norm_takes_torchs_arguments():
     # A drop-in for torch's: norm_type and error_if_nonfinite positionally, and foreach.
     from grouped_ep.parallel import clip_grad_norm_

@@ -157,11 +157,9 @@ def describe(path: str | os.PathLike) -> CheckpointInfo:
     listed in the result (`raise_if_invalid()` turns them into a CheckpointError); a missing or
     unreadable `.metadata` raises CheckpointError at once.
     """
-    from grouped_ep.checkpoint.layout import LATEST_FILE, resolve  # layout imports this module
+    from grouped_ep.checkpoint.layout import resolve  # layout imports this module
 
-    path = Path(path)
-    if not (path / METADATA_FILE).is_file() and (path / LATEST_FILE).is_file():
-        path = resolve(path)
+    path = resolve(path)  # a folder that cannot be read is a CheckpointError there
     md = read_metadata(path)
     out = CheckpointInfo(path=path, metadata=md)
     missing: dict[str, list[str]] = {}  # missing file -> keys with bytes in it
