@@ -344,3 +344,25 @@ def test_folders_without_permission_are_checkpoint_errors(tmp_path: Path, monkey
     with pytest.raises(ck.CheckpointError, match="export_hf: cannot create .*ro/hf.*Permission"):
         ck.export_hf(model, tmp_path / "ro" / "hf")
     assert not (tmp_path / "ro").exists()
+
+
+def test_ctrl_c_during_an_export_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    """Only an Exception removed the .tmp- files: after Ctrl-C a shard-sized temporary file
+    stayed until a later export there succeeded."""
+    from grouped_ep.checkpoint import safetensors_writer
+
+    out = tmp_path / "hf"
+    model = tiny_qwen3_moe(seed=0)
+    ck.export_hf(model, out, max_shard_size="10KB")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def interrupted(self, key, tensor):
+        calls.append(key)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors_writer.StreamingSafetensorsWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.export_hf(model, out, max_shard_size="10KB")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

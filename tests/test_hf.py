@@ -877,13 +877,17 @@ def test_model_from_a_fused_checkpoint_loads_a_per_expert_one(tmp_path):
         assert torch.equal(model.state_dict()[name], value), name
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "bailing_hybrid", "nemotron_h", "mistral_large4"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "bailing_hybrid", "nemotron_h", "mistral_large4", "qwen3_omni_moe"]
+)
 def test_base_model_loads_its_head_models_checkpoint(name, tmp_path):
     """A base model (AutoModel) from the checkpoint of its model with a head, as from_pretrained
     loads it: keys with the base model's prefix stripped; for bailing_hybrid, whose conversions
     match the prefixed keys themselves, the prefixed name through those conversions; for
     nemotron_h (`backbone.` keys renamed to `model.`) and mistral_large4, whose files hold no
-    `model.` key to strip, the prefixed name too (before: "no checkpoint key")."""
+    `model.` key to strip, the prefixed name too (before: "no checkpoint key"); for Qwen3-Omni's
+    thinker, whose files name its language model `model.` (its `language_model.`) beside its
+    `audio_tower.` and `visual.` (the same names in both), transformers' prefix change first."""
     from _hf_families import build, family
 
     from grouped_ep import load_sharded
@@ -898,6 +902,58 @@ def test_base_model_loads_its_head_models_checkpoint(name, tmp_path):
     assert report.unused_keys == [{"mistral_large4": "output.weight"}.get(name, "lm_head.weight")]
     for key, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_text_model_loads_its_vlms_checkpoint(tmp_path):
+    """Qwen3.5-MoE's released checkpoints are its VLM's: `model.language_model.` keys beside
+    `model.visual.`. from_pretrained of the text model (Qwen3_5MoeForCausalLM) strips the
+    `language_model.` (a `PrefixChange` of its conversion); load_sharded gave "no checkpoint
+    key" for every tensor. The vision keys are unused, named as the files name them."""
+    from _hf_families import family, tiny_config
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    from grouped_ep import load_sharded
+
+    text = tiny_config(family("qwen3_5_moe"))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2)
+    cfg = Qwen3_5MoeConfig(
+        text_config=text.to_dict(), vision_config=dict(vision, out_hidden_size=text.hidden_size)
+    )
+    torch.manual_seed(0)
+    modeling.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    ref = modeling.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = modeling.Qwen3_5MoeForCausalLM(ref.config)
+    report = load_sharded(model, tmp_path, device="cpu")
+    assert report.unused_keys and all(k.startswith("model.visual.") for k in report.unused_keys)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_thinker_loads_the_whole_omni_models_checkpoint(tmp_path):
+    """Qwen3-Omni's released files hold the thinker under `thinker.` beside the talker and
+    code2wav; from_pretrained of the thinker strips the `thinker.` (a `PrefixChange`)."""
+    from _hf_families import build, family
+    from safetensors.torch import load_file, save_file
+
+    from grouped_ep import load_sharded
+
+    thinker = build(family("qwen3_omni_moe"))
+    thinker.save_pretrained(tmp_path / "thinker")
+    (tmp_path / "omni").mkdir()
+    state = load_file(str(tmp_path / "thinker" / "model.safetensors"))
+    state = {f"thinker.{k}": v for k, v in state.items()} | {"talker.w": torch.ones(3)}
+    save_file(state, str(tmp_path / "omni" / "model.safetensors"))
+    thinker.config.save_pretrained(tmp_path / "omni")
+    ref = type(thinker).from_pretrained(tmp_path / "omni")
+    with torch.device("meta"):
+        model = type(thinker)(ref.config)
+    report = load_sharded(model, tmp_path / "omni", device="cpu")
+    assert report.unused_keys == ["talker.w"]
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert torch.equal(model.state_dict()[key], thinker.state_dict()[key])
 
 
 def test_conversion_that_renumbers_layers_is_probed_per_layer(tmp_path):

@@ -990,3 +990,56 @@ def test_wrong_model_argument_and_unreadable_folder_are_named(tmp_path, monkeypa
     monkeypatch.setattr(st, "_open_checkpoint", denied)  # a folder without read permission
     with pytest.raises(LoadError, match="cannot be read .*Permission denied"):
         load_sharded(_fused_model(), tmp_path)
+
+
+def test_key_a_listed_shard_holds_but_the_index_omits_is_read(tmp_path):
+    """transformers reads every key of every shard the index names; a key its shard holds but
+    the index left out was "no checkpoint key", and a key_map naming it "missing key"."""
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
+    experts = {k: v for k, v in state.items() if k != "m.norm"}
+    write_safetensors(tmp_path / "s2.safetensors", experts)
+    write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"})
+    model = _fused_model()
+    report = load_sharded(model, tmp_path)  # m.experts.gate_up_proj: in s2, not in the index
+    assert report.missing == [] and report.unused_keys == []
+    for k, v in state.items():
+        assert torch.equal(_state(model)[k], v), k
+
+
+def test_missing_keys_error_names_the_one_file_a_folder_was_read_from(tmp_path):
+    """A stray adapter file beside pickled weights was read as the checkpoint; the error named
+    only the folder."""
+    write_safetensors(tmp_path / "adapter_model.safetensors", {"lora_A": torch.ones(2, 2)})
+    torch.save(_fused_state(), tmp_path / "pytorch_model.bin")
+    _expect(
+        r"no checkpoint key .* read from adapter_model\.safetensors alone; pytorch_model\.bin "
+        r"beside it is a pickled \(torch\.save\) checkpoint, not read",
+        _fused_model(),
+        tmp_path,
+    )
+
+
+def test_ctrl_c_while_the_model_takes_its_tensors_finishes_first(tmp_path, monkeypatch):
+    """An interrupt between two tensors swapped in left some old, some new, and nothing to say
+    which: it is held back until every tensor is in, then raised."""
+    import signal
+
+    state = _fused_state()
+    write_safetensors(tmp_path / "model.safetensors", state)
+    swap, calls = loader._swap, []
+
+    def interrupted_swap(target):
+        calls.append(target)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first tensor went in
+        swap(target)
+
+    monkeypatch.setattr(loader, "_swap", interrupted_swap)
+    model = _fused_model()
+    with pytest.raises(KeyboardInterrupt):
+        load_sharded(model, tmp_path)
+    assert len(calls) == 3
+    for k, v in state.items():
+        assert torch.equal(_state(model)[k], v), k
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -56,6 +56,32 @@ def on_rank0(fn: Callable[[], _T], group: Any = None) -> _T:
     return msg[0]
 
 
+def same_on_every_rank(value: Any, what: str, shown: Any = None) -> None:
+    """Raise the same CheckpointError on every rank unless `value` is equal on all of them (a
+    collective when distributed); the error shows `shown` (default: `value`) of rank 0 and of
+    the ranks that differ from it."""
+    if not distributed():
+        return
+    gathered: list[Any] = [None] * world()
+    dist.all_gather_object(gathered, (value, value if shown is None else shown))
+    odd = [r for r, (v, _) in enumerate(gathered) if v != gathered[0][0]]
+    if odd:
+        listed = "; ".join(f"rank {r}: {gathered[r][1]}" for r in [0, *odd[:3]])
+        raise CheckpointError(
+            f"{what} differ between ranks ({listed}{' ...' if len(odd) > 3 else ''}); every "
+            "rank must pass the same"
+        )
+
+
+def failures(e: CheckpointException) -> str:
+    """Each failed rank's own error in DCP's `CheckpointException` first, then DCP's report
+    with the tracebacks."""
+    own = "; ".join(
+        f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items())
+    )
+    return f"{own}\n{e}" if own else str(e)
+
+
 def gather_errors(error: BaseException | None) -> dict[int, str]:
     """rank -> error text for every rank whose `error` is set (a collective when distributed)."""
     text = None if error is None else f"{type(error).__name__}: {error}"

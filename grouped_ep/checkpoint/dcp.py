@@ -1,4 +1,4 @@
-"""`save` and `load` of sharded models and optimizers over torch.distributed.checkpoint (DCP).
+"""`save` of sharded models and optimizers over torch.distributed.checkpoint (DCP).
 
 Layout of a checkpoint root (`save(root, ...)`):
 
@@ -18,9 +18,8 @@ A save writes everything into `.tmp-step-N`, waits for every rank, then rank 0 r
 With `async_save=True` the same happens in the background (`async_save.py`); with `keep_last=N`
 rank 0 then removes the older complete steps beyond the newest N.
 
-`load` checks the checkpoint against the model and optimizer first (every key present, the same
-global shapes, every data file there and long enough), then lets DCP read straight into the
-live tensors, as plain DCP does: no second copy of the state.
+`load` (`resume.py`) checks the checkpoint against the model and optimizer first, then lets DCP
+read straight into the live tensors, as plain DCP does: no second copy of the state.
 
 Model and optimizer state go through torch.distributed.checkpoint (DCP) with the state dicts of
 `get_state_dict`, so a checkpoint saved under one layout (world size, EP degree, FSDP degree,
@@ -42,71 +41,43 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
-from grouped_ep.checkpoint.checksum import (
-    ChecksumWriter,
-    has_checksums,
-    read_manifest,
-    verify_share,
-)
+from grouped_ep.checkpoint.checksum import ChecksumWriter
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
     dcp_quiet,
     distributed,
+    failures,
     on_rank0,
     rank,
+    same_on_every_rank,
     world,
 )
-from grouped_ep.checkpoint.direct_reader import DirectReader
 from grouped_ep.checkpoint.errors import CheckpointError
-from grouped_ep.checkpoint.extra import read_extra, write_extra
-from grouped_ep.checkpoint.fit import (
-    check_fits,
-    check_param_groups,
-    refuse_meta,
-    refuse_split_ties,
-    refuse_unexpected,
-    refuse_untied,
-    stateless_params,
-    tied_groups,
-    without,
-)
+from grouped_ep.checkpoint.extra import write_extra
+from grouped_ep.checkpoint.fit import tied_groups
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
     TMP_PREFIX,
     commit_step,
     next_step,
     prune,
-    resolve,
     restore_swapped_out,
     step_dir_name,
 )
 from grouped_ep.checkpoint.save_args import as_step, check_optimizer_params, check_types
 from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
-from grouped_ep.loading.buffers import refresh_buffers
 
-__all__ = ["AsyncSave", "save", "load"]
+__all__ = ["AsyncSave", "save"]
 
 FORMAT_VERSION = 1
-
-
-def _failures(e: CheckpointException) -> str:
-    """Each failed rank's own error first, then DCP's report with the tracebacks."""
-    own = "; ".join(
-        f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items())
-    )
-    return f"{own}\n{e}" if own else str(e)
+SAVE_ID_FILE = ".save_id"  # rank 0 writes the save's id into the step it makes: each rank checks
 
 
 def _remove_partial(tmp: Path, root: Path) -> str:
@@ -183,6 +154,10 @@ def save(
             f"({type(e).__name__}: {e})"
         )
     all_ok(error, "save: checking its arguments")
+    # Different ones would run different collectives (an async save's on its own group): a hang.
+    same_on_every_rank(
+        (async_save, optimizer is not None), "save: async_save and whether an optimizer is given"
+    )
 
     def prepare() -> tuple[int, str, str]:
         if root.exists() and not root.is_dir():
@@ -204,9 +179,12 @@ def save(
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir()
+            (tmp / SAVE_ID_FILE).write_text(save_id)
         except OSError as e:
             raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
-        return s, tmp.name, uuid.uuid4().hex
+        return s, tmp.name, save_id
+
+    save_id = uuid.uuid4().hex
 
     step_, tmp_name, save_id = on_rank0(prepare)
     tmp = root / tmp_name
@@ -225,6 +203,11 @@ def save(
             f"{what} (the partial step was removed{free}; `latest` still names the previous "
             f"checkpoint): {detail}"
         )
+
+    try:  # a rank whose `root` is another directory (a node's own disk) would write elsewhere
+        all_ok(_sees(tmp, save_id), "save: finding the step directory rank 0 made")
+    except CheckpointError as e:
+        raise failed(f"save: the ranks do not share {root}", str(e)) from e
 
     error, files = None, {}
     if extra is not None:
@@ -250,6 +233,13 @@ def save(
     }
 
     def commit() -> Path:
+        problems = describe(tmp).problems  # every rank's data file there and long enough
+        if problems:
+            free = _remove_partial(tmp, root)
+            raise CheckpointError(
+                f"save: {tmp} is incomplete and was not committed (removed{free}; `latest` still "
+                f"names the previous checkpoint): {'; '.join(problems[:5])}"
+            )
         try:
             commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
         except OSError as e:
@@ -289,7 +279,11 @@ def save(
                     no_dist=not distributed(),
                 )
     except CheckpointException as e:  # raised on every rank when any rank failed
-        raise failed(f"save to {tmp} failed", _failures(e)) from e
+        error = failed(f"save to {tmp} failed", failures(e))
+        own = e.failures.get(rank())
+        if own is not None and isinstance(own[0], (KeyboardInterrupt, SystemExit)):
+            raise own[0] from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
+        raise error from e
     if not async_save:
         return on_rank0(commit)
 
@@ -297,144 +291,22 @@ def save(
         try:
             upload.result()
         except CheckpointException as e:  # on every rank (DCP gathers the failures)
-            raise failed(f"async save to {tmp} failed", _failures(e), async_group()) from e
+            raise failed(f"async save to {tmp} failed", failures(e), async_group()) from e
         # On the save's own group: every rank's handle says whether the step was committed.
         return on_rank0(commit, group=async_group())
 
     return background.start(final, finish)
 
 
-def load(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    verify: bool = True,
-) -> dict[str, Any] | None:
-    """Load a checkpoint into `model` (and `optimizer`) as they are sharded now, in place.
-
-    Call on every rank (collective). The checkpoint may have been saved under any other layout
-    (world size, EP or FSDP degree, placements, rank assignment); each rank reads the parts of
-    the saved chunks that overlap its own shards, straight into its parameters and optimizer
-    state (no second copy). Works in a single process without a process group (parameters
-    then are plain tensors). A save in flight (`async_save=True`) is waited for first.
-
-    Args:
-        path: a checkpoint directory, or a root whose `latest` file names one.
-        model: the model to fill; its parameters keep their placements.
-        optimizer: an optimizer over `model`'s parameters, or None (optimizer state not read).
-        verify: check every chunk's bytes against the CRC32C saved with it before anything is
-            read into the model (each rank checks a share of the data files: the checkpoint is
-            read once more in all). False skips it. Checkpoints saved without checksums (older
-            versions) are not checked.
-
-    Non-persistent buffers (rotary `inv_freq`, ...), which no checkpoint holds, are recomputed
-    afterwards from their modules' own initialization, as a fresh build has them: after
-    `model.to_empty(...)` they held garbage.
-
-    Returns:
-        The `extra` this rank saved (rank 0's when the saving run had no such rank), or None.
-
-    Raises:
-        CheckpointError: the checkpoint is missing, incomplete (no `.metadata`, a missing or
-            truncated data file, a chunk whose bytes changed since the save) or does not fit
-            the model (a key missing or of another shape).
-            These checks run before anything is read, and leave the model and optimizer
-            untouched. An I/O error during the read itself may leave the model partly loaded;
-            its message says so.
-    """
-    check_flag(verify, "load: verify")
-    background.wait_pending("load")
-    reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
-    check_optimizer_params(model, optimizer, "load")
-    refuse_meta(model)
-    refuse_untied(model)
-    fresh = optimizer is not None and not optimizer.state
+def _sees(tmp: Path, save_id: str) -> CheckpointError | None:
+    """None when `tmp` on this rank is the step directory rank 0 made for save `save_id`."""
     try:
-        return _load(path, model, optimizer, verify)
-    except BaseException:
-        # The state made to read into (see `state.state_dicts`) goes: the optimizer is as it was.
-        if fresh:
-            optimizer.state.clear()
-        raise
-
-
-def _load(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    verify_: bool,
-) -> dict[str, Any] | None:
-    current = state_dicts(model, optimizer, keep_made_state=True)
-    described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
-
-    def check() -> tuple[str, dict[str, Any], list, bool]:
-        ckpt = resolve(path)
-        info = describe(ckpt)
-        described.append(info)
-        info.raise_if_invalid()
-        manifest = read_manifest(ckpt)
-        refuse_split_ties(model, manifest.get("tied", []))
-        if optimizer is not None and manifest.get("has_optimizer") is False:
-            raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
-        stateless = stateless_params(info, current) if optimizer is not None else []
-        check_fits(info, without(current, stateless))  # global shapes: the same on every rank
-        refuse_unexpected(info, current)
-        return str(ckpt), manifest, stateless, has_checksums(ckpt, manifest)
-
-    ckpt_s, manifest, stateless, checked = on_rank0(check)
-    current = without(current, stateless)  # these parameters resume with no optimizer state
-    ckpt = Path(ckpt_s)
-    checked = checked and verify_
-    if checked:  # each rank checks a share of the files
-        try:
-            info = described[0] if described else describe(ckpt)  # rank 0 has read it already
-            problems = verify_share(info, rank(), world(), manifest.get("save_id"))
-        except Exception as e:  # on every rank to all_ok: no rank left waiting
-            problems = [f"{type(e).__name__}: {e}"]
-        shown = "; ".join(problems[:5]) + (
-            f"; ... ({len(problems)} in all)" if len(problems) > 5 else ""
-        )
-        all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
-    if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
-        sources = on_rank0(lambda: check_param_groups(described[0], current))
-    # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
-    # them all, before the collective read): a failure changes nothing.
-    extra, error = None, None
-    try:
-        extra = read_extra(ckpt, rank(), manifest, checked)
-    except CheckpointError as e:
-        error = e
-    all_ok(error, "load: reading extra state")
-    try:
-        with dcp_quiet():
-            reader = DirectReader(str(ckpt))  # DCP's reader, one copy for large chunks
-            dcp.load(current, storage_reader=reader, no_dist=not distributed())
-    except CheckpointException as e:
-        raise CheckpointError(
-            f"load from {ckpt} failed while reading, after the checkpoint was checked; the model "
-            f"and optimizer may be partly loaded: {_failures(e)}"
-        ) from e
-    # The tensors were filled in place; this applies the rest (optimizer param groups) and
-    # whatever a state-dict conversion did not alias, exactly as plain DCP use does.
-    if optimizer is None:
-        set_model_state_dict(model, current["model"])
-    else:
-        # The saved groups' hyperparameters, by position as DCP read them; each group takes its
-        # source's afterwards (torch's own mapping can give an empty group another's).
-        hyper = [
-            {k: v for k, v in g.items() if k != "params"} for g in current["optim"]["param_groups"]
-        ]
-        # strict=False lets the stateless parameters (checked above) stay without state; every
-        # other key was checked against the checkpoint and read.
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=current["model"],
-            optim_state_dict=current["optim"],
-            options=StateDictOptions(strict=not stateless),
-        )
-        for group, source in zip(optimizer.param_groups, sources or []):
-            group.update(hyper[source])
-    refresh_buffers(model)
-    return extra
+        if (tmp / SAVE_ID_FILE).read_text() == save_id:
+            return None
+        found = "it is another save's"
+    except OSError as e:
+        found = f"{type(e).__name__}: {e.strerror or e}"
+    return CheckpointError(
+        f"{tmp}, which rank 0 made for this save, is not there on this rank ({found}): every "
+        "rank must save into the same checkpoint root, on a file system they all see"
+    )

@@ -140,18 +140,24 @@ def export_hf(
     # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
     # readable until every rank has written all of its files, and a failed export removes its
     # own temporary files and changes nothing else.
+    def remove_tmp() -> None:
+        for name in names:
+            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+        shutil.rmtree(staged, ignore_errors=True)
+
     def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go
         error = None
         try:
             work()
         except Exception as e:
             error = e
+        except BaseException:  # Ctrl-C: this rank's files go, and it stops here
+            remove_tmp()
+            raise
         try:
             all_ok(error, f"export_hf: {what}")
         except CheckpointError:
-            for name in names:
-                (out_dir / f".tmp-{name}").unlink(missing_ok=True)
-            shutil.rmtree(staged, ignore_errors=True)
+            remove_tmp()
             raise
 
     def write() -> None:

@@ -7,7 +7,6 @@ Used by `keys.resolve_pieces` ("auto") and by `export_hf` (which keys each tenso
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 import re
@@ -15,16 +14,12 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from itertools import chain
 
 import numpy as np
 import torch
-from torch import nn
 
 import grouped_ep.loading.scaled as scaled
-from grouped_ep._names import unwrapped_name
 from grouped_ep.loading.plan import runs
-from grouped_ep.loading.safetensors import Checkpoint
 
 # (key, offset in the model tensor, shape there, key's shape[, ...]): as in `keys.Layout`
 Layout = list[tuple]
@@ -406,38 +401,3 @@ def _probe(
     if sum(math.prod(box) for _, _, box, *_ in layout) != math.prod(shape):
         return None  # not tiled exactly once
     return layout
-
-
-def align_base_prefix(model: nn.Module, ckpt):
-    """A transformers base model (`Qwen3MoeModel`) from a checkpoint of its model with a head
-    (`model.layers...`), or a model with a head from its base model's checkpoint: the keys with
-    the base model's prefix stripped or added, as `from_pretrained` does. Returns the checkpoint
-    as the model names it, and {renamed key: key in the files} (empty if nothing changed)."""
-    prefix = getattr(model, "base_model_prefix", "") if is_transformers_model(model) else ""
-    if not prefix:
-        return ckpt, {}
-    dot = f"{prefix}."
-    names = {unwrapped_name(n) for n, _ in chain(model.named_parameters(), model.named_buffers())}
-    keys = list(chain(ckpt.entries, ckpt.unreadable))
-    model_has = any(n.startswith(dot) for n in names)
-    ckpt_has = any(k.startswith(dot) for k in keys)
-    if model_has == ckpt_has or not names.isdisjoint(keys):
-        return ckpt, {}
-    if ckpt_has:  # strip: keys of the head (lm_head) stay as they are, unused
-        rename = {k: k.removeprefix(dot) for k in keys}
-    else:
-        rename = {k: dot + k for k in keys}
-    # Only where it names the model's tensors (a VLM's `language_model.model.` keys, which
-    # transformers' conversion renames, are not its base model's), and names each once.
-    if names.isdisjoint(rename.values()) or len(set(rename.values())) != len(rename):
-        return ckpt, {}
-    entries = {rename[k]: dataclasses.replace(e, key=rename[k]) for k, e in ckpt.entries.items()}
-    unreadable = {rename[k]: d for k, d in ckpt.unreadable.items()}
-    renamed = Checkpoint(ckpt.root, ckpt.files, entries, unreadable)
-    return renamed, {new: old for old, new in rename.items() if new != old}
-
-
-def toggle_prefix(model: nn.Module, names: list[str]) -> list[str]:
-    """`names` with the base model's prefix stripped where they have it, else added."""
-    dot = f"{model.base_model_prefix}."
-    return [n.removeprefix(dot) if n.startswith(dot) else dot + n for n in names]

@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,14 +30,10 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep._reshard import reshard_all
+from grouped_ep._signals import sigint_deferred
 from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
 from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_names
-from grouped_ep.loading.converted import (
-    align_base_prefix,
-    conversions_cached,
-    is_transformers_model,
-    toggle_prefix,
-)
+from grouped_ep.loading.converted import conversions_cached, is_transformers_model
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import (
@@ -48,6 +45,7 @@ from grouped_ep.loading.keys import (
     with_wrapped_names,
 )
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
+from grouped_ep.loading.prefixes import model_named, toggle_prefix
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
@@ -103,15 +101,24 @@ def _name_tensor(message: str, ckpt) -> str:
     return message
 
 
-def _unreadable_note(ckpt) -> str:
-    """The keys whose dtype this loader does not know: a tensor the model needs may be one."""
-    if not ckpt.unreadable:
-        return ""
-    shown = ", ".join(f"{k!r} ({d})" for k, d in list(ckpt.unreadable.items())[:10])
-    return (
-        f" The checkpoint also holds {len(ckpt.unreadable)} key(s) in a dtype this loader cannot "
-        f"read: {shown}{' ...' if len(ckpt.unreadable) > 10 else ''}."
-    )
+def _checkpoint_note(ckpt) -> str:
+    """What else may explain tensors without keys: the one file a folder was read from (a stray
+    adapter file beside pickled weights), keys whose dtype this loader does not know."""
+    note = ""
+    root = Path(ckpt.root)
+    if len(ckpt.files) == 1 and root.is_dir():
+        note = f" The keys were read from {Path(next(iter(ckpt.files))).name} alone"
+        pickled = sorted(p.name for p in root.glob("*.bin"))
+        if pickled:
+            note += f"; {pickled[0]} beside it is a pickled (torch.save) checkpoint, not read"
+        note += "."
+    if ckpt.unreadable:
+        shown = ", ".join(f"{k!r} ({d})" for k, d in list(ckpt.unreadable.items())[:10])
+        note += (
+            f" The checkpoint also holds {len(ckpt.unreadable)} key(s) in a dtype this loader "
+            f"cannot read: {shown}{' ...' if len(ckpt.unreadable) > 10 else ''}."
+        )
+    return note
 
 
 def _file_key_names(message: str, key_names: dict[str, str]) -> str:
@@ -307,7 +314,7 @@ def load_sharded(
     # A key_map of the user's names the file's own keys: the checkpoint keeps them.
     user_keys = callable(key_map) or isinstance(key_map, Mapping)
     files_ckpt = ckpt  # the keys as the files name them
-    ckpt, key_names = (ckpt, {}) if user_keys else align_base_prefix(model, ckpt)
+    ckpt, key_names = (ckpt, {}) if user_keys else model_named(model, ckpt)
     toggles = (
         not user_keys
         and bool(getattr(model, "base_model_prefix", ""))
@@ -374,7 +381,7 @@ def load_sharded(
             f"{ckpt.root}: no checkpoint key for {len(missing)} tensor(s) of the model "
             f"({on_meta} of them on meta): {shown}. Pass key_map= to name their keys, or "
             "strict=False to load the rest and list these in report.missing (left as they are: "
-            f"on meta, or with their current values).{_unreadable_note(ckpt)}"
+            f"on meta, or with their current values).{_checkpoint_note(ckpt)}"
         )
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     try:
@@ -404,11 +411,12 @@ def load_sharded(
     finally:
         bar.close()
     todo += quantized
-    for target in todo:
-        _swap(target)
-        target.fresh = None
-    for module, name, value in buffers:
-        module._buffers[name] = value
+    with sigint_deferred():  # all of the model, or (before this) none of it
+        for target in todo:
+            _swap(target)
+            target.fresh = None
+        for module, name, value in buffers:
+            module._buffers[name] = value
     for module in model.modules():  # tokens counted by forwards before the load belong to
         if isinstance(module, MoE):  # no step of the loaded run
             module.take_load_counts()

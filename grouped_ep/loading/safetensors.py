@@ -352,4 +352,13 @@ def _open_checkpoint(path: Path) -> Checkpoint:
                 f"{file_path}: missing key {key!r}, which {index_path.name} places there"
             )
         entries[key] = header.tensors[key]
+    # A key a listed shard holds but the index does not list: transformers reads every key of
+    # every shard the index names, so it counts (the index's file wins for a key it lists).
+    for header in files.values():
+        for key, entry in header.tensors.items():
+            if key not in weight_map:
+                entries.setdefault(key, entry)
+        for key, dtype in header.unreadable.items():
+            if key not in weight_map and key not in entries:
+                unreadable.setdefault(key, dtype)
     return Checkpoint(str(path), files, entries, unreadable)

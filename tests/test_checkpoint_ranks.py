@@ -1,0 +1,145 @@
+"""Ranks that pass `checkpoint.save` / `checkpoint.load` different things: each one's own
+directory, different modes, different checkpoints or models. Every rank gets the same error
+(no hang, nothing committed that a load would take as valid), and the same save read from
+each rank's own copy still loads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks
+from test_checkpoint_dist import W_SHAPE, OneWeight
+
+from grouped_ep import checkpoint as ck
+
+
+def _sharded() -> OneWeight:
+    from torch.distributed.tensor import Shard
+
+    return OneWeight((Shard(0),))
+
+
+def _own_roots(rank: int, world: int, base: str) -> tuple[str, list[str]]:
+    model = _sharded()
+    ck.save(f"{base}/shared", model, keep_last=1)  # a good step first
+    try:  # a node-local disk per rank: the same path names another directory on each
+        ck.save(f"{base}/node{rank}", model, keep_last=1)
+        error = ""
+    except ck.CheckpointError as e:
+        error = str(e)
+    own = Path(f"{base}/node{rank}")  # only rank 0 makes the root
+    return error, sorted(p.name for p in own.iterdir()) if own.exists() else []
+
+
+def test_save_into_a_root_each_rank_sees_elsewhere_commits_nothing(tmp_path: Path) -> None:
+    """Rank 0 made the step directory, each rank joined its name to its own root and wrote
+    there; rank 0 committed a step holding its own data alone (and keep_last removed the last
+    good one): a step load refused."""
+    results = run_ranks(_own_roots, 2, str(tmp_path), timeout=120)
+    for rank, (error, left) in enumerate(results):
+        assert "the ranks do not share" in error and "failed on rank" in error, error
+        assert "is not there on this rank" in error, error
+        assert left == [], (rank, left)  # rank 0 removed its partial step; rank 1's was empty
+    model = OneWeight(None)
+    ck.load(tmp_path / "shared", model)  # the good step stays
+    assert torch.equal(model.w, torch.arange(float(torch.Size(W_SHAPE).numel())).reshape(W_SHAPE))
+
+
+def _mixed_modes(rank: int, world: int, root: str) -> list[str]:
+    model = _sharded()
+    errors = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kwargs in ({"async_save": rank == 0}, {"optimizer": opt if rank == 1 else None}):
+        try:
+            handle = ck.save(root, model, **kwargs)
+            if hasattr(handle, "result"):
+                handle.result()
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+    ck.save(root, model)  # the ranks are still in step
+    return errors
+
+
+def test_ranks_that_save_in_different_modes_are_refused(tmp_path: Path) -> None:
+    """async_save on one rank and not another hung until the process group's timeout (their
+    collectives run on different groups); an optimizer on one rank only failed in DCP."""
+    for errors in run_ranks(_mixed_modes, 2, str(tmp_path), timeout=120):
+        assert len(errors) == 2, errors
+        assert all("differ between ranks" in e for e in errors), errors
+        assert "rank 0: (True, False); rank 1: (False, False)" in errors[0]
+    assert ck.resolve(tmp_path) == tmp_path / "step-00000000"
+
+
+def _different_checkpoints(rank: int, world: int, root: str) -> tuple[str, bool]:
+    model = _sharded()
+    ck.save(root, model)
+    with torch.no_grad():
+        model.w.mul_(2)
+    ck.save(root, model)
+    torch.distributed.barrier()
+    if rank == 1:  # the same save, copied to a node's own disk
+        shutil.copytree(f"{root}/step-00000001", f"{root}-copy")
+    torch.distributed.barrier()
+    fresh = _sharded()
+    try:
+        ck.load(f"{root}/step-0000000{rank}", fresh)  # rank 0 step 0, rank 1 step 1
+        error = ""
+    except ck.CheckpointError as e:
+        error = str(e)
+    ck.load(f"{root}/step-00000001" if rank == 0 else f"{root}-copy", fresh)
+    return error, torch.equal(fresh.w.full_tensor(), model.w.full_tensor())
+
+
+def test_ranks_must_load_the_same_save_but_may_read_their_own_copy(tmp_path: Path) -> None:
+    """Rank 0 resolved the path and every rank read rank 0's checkpoint: another rank's path
+    was dropped without a word. Each rank now reads its own; they must be one save."""
+    root = str(tmp_path / "ckpt")
+    for error, equal in run_ranks(_different_checkpoints, 2, root, timeout=120):
+        assert "load: the checkpoints that path names differ between ranks" in error, error
+        assert "step-00000000" in error and "step-00000001" in error, error
+        assert equal
+
+
+def _other_model_on_rank_1(rank: int, world: int, root: str) -> tuple[str, bool]:
+    from torch.distributed.tensor import DTensor
+
+    ck.save(root, _sharded())
+    model = _sharded()
+    if rank == 1:
+        model.w = torch.nn.Parameter(torch.zeros(3, 3))  # another shape on this rank only
+    mine = model.w.to_local() if isinstance(model.w, DTensor) else model.w
+    before = mine.detach().clone()
+    try:
+        ck.load(root, model)
+        error = ""
+    except ck.CheckpointError as e:
+        error = str(e)
+    return error, torch.equal(before, mine)
+
+
+def test_a_rank_whose_model_does_not_fit_is_named_before_anything_is_read(tmp_path) -> None:
+    """Only rank 0's model was checked: another rank's mismatch came from DCP's read, worded
+    'the model and optimizer may be partly loaded'."""
+    for error, untouched in run_ranks(_other_model_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert "checking the model against the checkpoint failed on rank" in error, error
+        assert "partly loaded" not in error and untouched
+
+
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path: Path, monkeypatch) -> None:
+    """DCP wraps every rank's failure, Ctrl-C included, into a CheckpointException; it came
+    out as a CheckpointError (a ValueError), which a loop that logs failed saves swallows."""
+    import grouped_ep.checkpoint.dcp as dcp_module
+
+    model = OneWeight(None)
+    ck.save(tmp_path, model)
+
+    def interrupted(self, plan, planner):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp_module.ChecksumWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(tmp_path, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
