@@ -233,6 +233,7 @@ def save(
     }
 
     def commit() -> Path:
+        (tmp / SAVE_ID_FILE).unlink(missing_ok=True)  # every rank found it: done with
         problems = describe(tmp).problems  # every rank's data file there and long enough
         if problems:
             free = _remove_partial(tmp, root)
