@@ -143,3 +143,30 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path: Path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         ck.save(tmp_path, model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
+
+
+def _unreadable_on_rank_1(rank: int, world: int, root: str) -> str:
+    from unittest import mock
+
+    ck.save(root, _sharded())
+    is_file = Path.is_file
+
+    def denied(self: Path) -> bool:  # rank 1 may not look inside the step directory
+        if rank == 1 and self.name == "grouped_ep.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    with mock.patch.object(Path, "is_file", denied):
+        try:
+            ck.load(root, _sharded())
+        except ck.CheckpointError as e:
+            return str(e)
+    return ""
+
+
+def test_a_step_one_rank_cannot_read_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's PermissionError escaped before the collective check: rank 0 waited in it until
+    the process group's timeout (30 minutes on gloo by default)."""
+    for error in run_ranks(_unreadable_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert "finding the checkpoint" in error and "failed on rank" in error, error
+        assert "grouped_ep.json" in error and "Permission denied" in error, error

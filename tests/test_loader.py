@@ -1005,6 +1005,15 @@ def test_key_a_listed_shard_holds_but_the_index_omits_is_read(tmp_path):
     assert report.missing == [] and report.unused_keys == []
     for k, v in state.items():
         assert torch.equal(_state(model)[k], v), k
+    # Held by three shards and listed by none: the last by name, as from_pretrained reads it.
+    write_safetensors(tmp_path / "s0.safetensors", {"a": torch.ones(1), **experts})
+    last = {"b": torch.ones(1), "m.experts.gate_up_proj": torch.full((5, 6, 4), 3.0)}
+    write_safetensors(tmp_path / "s3.safetensors", last)
+    listed = {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"}
+    write_index(tmp_path, listed | {"a": "s0.safetensors", "b": "s3.safetensors"})
+    report = load_sharded(model, tmp_path)
+    assert report.unused_keys == ["a", "b"]
+    assert torch.equal(_state(model)["m.experts.gate_up_proj"], last["m.experts.gate_up_proj"])
 
 
 def test_missing_keys_error_names_the_one_file_a_folder_was_read_from(tmp_path):

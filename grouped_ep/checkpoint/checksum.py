@@ -126,8 +126,12 @@ def read_manifest(ckpt: Path) -> dict:
     CheckpointError when it cannot be read, or is missing where checksum tables show that
     grouped_ep saved the checkpoint (without it nothing would say to check them)."""
     path = ckpt / MANIFEST_FILE
-    if not path.is_file():
-        tables = sorted(p.name for p in ckpt.glob(f"__*_{SUFFIX}"))
+    try:
+        present = path.is_file()
+        tables = [] if present else sorted(p.name for p in ckpt.glob(f"__*_{SUFFIX}"))
+    except OSError as e:  # a step directory without permission to look inside
+        raise CheckpointError(f"cannot read {path} ({e})") from e
+    if not present:
         if tables:
             raise CheckpointError(
                 f"{path} is missing, but {ckpt} holds checksum tables ({tables[0]}, ...) of a "

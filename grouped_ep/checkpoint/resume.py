@@ -211,8 +211,8 @@ def _own_checkpoint(path: str | os.PathLike) -> Path:
     try:
         ckpt = resolve(path)
         ident = read_manifest(ckpt).get("save_id") or str(ckpt.resolve())
-    except CheckpointError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001 (on every rank to all_ok: no rank left waiting)
+        error = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: {e!r}")
     all_ok(error, f"load: finding the checkpoint {path}")
     same_on_every_rank(ident, "load: the checkpoints that path names", shown=f"{ckpt} ({ident})")
     return ckpt

@@ -353,12 +353,16 @@ def _open_checkpoint(path: Path) -> Checkpoint:
             )
         entries[key] = header.tensors[key]
     # A key a listed shard holds but the index does not list: transformers reads every key of
-    # every shard the index names, so it counts (the index's file wins for a key it lists).
-    for header in files.values():
+    # every shard the index names, so it counts (the index's file wins for a key it lists; of
+    # two shards holding an unlisted key, the last by name, as transformers reads them).
+    for file_path in sorted(files):
+        header = files[file_path]
         for key, entry in header.tensors.items():
             if key not in weight_map:
-                entries.setdefault(key, entry)
+                entries[key] = entry
+                unreadable.pop(key, None)
         for key, dtype in header.unreadable.items():
-            if key not in weight_map and key not in entries:
-                unreadable.setdefault(key, dtype)
+            if key not in weight_map:
+                unreadable[key] = dtype
+                entries.pop(key, None)
     return Checkpoint(str(path), files, entries, unreadable)
