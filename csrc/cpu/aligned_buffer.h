@@ -35,6 +35,12 @@ struct ScratchBuf {
   std::vector<T, Align64<T>> v;
   void resize(std::size_t n) { v.resize(n); }
   T* data() { return v.data(); }
+  // Frees the storage; returns its bytes.
+  std::size_t release() {
+    const std::size_t bytes = v.capacity() * sizeof(T);
+    std::vector<T, Align64<T>>().swap(v);
+    return bytes;
+  }
 };
 
 }  // namespace grouped_ep

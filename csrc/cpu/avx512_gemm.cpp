@@ -23,8 +23,10 @@
 // Only the functions under the target attribute use AVX-512, and they instantiate no library
 // template (scratch is allocated outside them), so no inline function shared with other files is
 // compiled with AVX-512 here. The caller checks that the CPU has the instructions first.
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -83,16 +85,17 @@ GE_AVX512 inline __attribute__((always_inline)) void f32_steps(__m512 (&acc)[MR]
 // C[i, 0:cols] = sum over steps of A's lane (i, s) . B's lane s, for i < MR. A's lane (i, s)
 // starts at a + i * am + s * ak; `half_tail` (bf16): A has an odd K read in place, so the last
 // step is A(i, K-1) alone (its neighbour in memory is not part of A). bp: the packed panel of B.
-// pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop).
+// pf, lines: cache lines to prefetch meanwhile, one per step (the rest after the loop). add_c
+// (fp32 only): C holds the sums of earlier K blocks; these steps' sums are added to it.
 template <typename T, int MR>
-GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int64_t ak, const T* bp, T* c,
-                     int64_t ldc, int64_t cols, const char* const* pf, int64_t lines) {
+GE_AVX512 void micro(int64_t steps, bool half_tail, bool add_c, const T* a, int64_t am, int64_t ak, const T* bp,
+                     T* c, int64_t ldc, int64_t cols, const char* const* pf, int64_t lines) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
   if constexpr (kPer<T> == 1) {
-    if (steps <= kKBlock) {
+    if (steps <= kKBlock && !add_c) {
       f32_steps<MR>(acc, 0, steps, a, am, ak, bp, pf, lines);
     } else {
       // fp32 sums each block of kKBlock steps from zero and adds it to C: one running sum over
@@ -103,7 +106,7 @@ GE_AVX512 void micro(int64_t steps, bool half_tail, const T* a, int64_t am, int6
         f32_steps<MR>(acc, s0, s1, a, am, ak, bp, pf, lines);
         for (int i = 0; i < MR; ++i) {
           float* row = reinterpret_cast<float*>(c + i * ldc);
-          if (s0 > 0) {
+          if (s0 > 0 || add_c) {
             acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, row));
             acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_maskz_loadu_ps(m1, row + 16));
           }
@@ -166,17 +169,18 @@ GE_AVX512 void prefetch_c(const T* c, int64_t ldc, int64_t rows, int64_t cols) {
 }
 
 template <typename T>
-using Micro = void (*)(int64_t, bool, const T*, int64_t, int64_t, const T*, T*, int64_t, int64_t, const char* const*,
-                       int64_t);
+using Micro = void (*)(int64_t, bool, bool, const T*, int64_t, int64_t, const T*, T*, int64_t, int64_t,
+                       const char* const*, int64_t);
 template <typename T>
 constexpr Micro<T> kMicro[kMR + 1] = {nullptr,     micro<T, 1>, micro<T, 2>, micro<T, 3>, micro<T, 4>,
                                       micro<T, 5>, micro<T, 6>, micro<T, 7>, micro<T, 8>};
 
 // bpanel: one packed panel of B; apack: A packed (M rounded up to kNR rows), used only when A's K
-// dimension is not contiguous (sak != 1).
+// dimension is not contiguous (sak != 1). add_c (fp32): add the product to C (a later K block).
 template <typename T>
 GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b,
-                         int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next) {
+                         int64_t sbk, int64_t sbn, T* c, int64_t ldc, T* bpanel, T* apack, const Prefetch* next,
+                         bool add_c) {
   constexpr int64_t per = kPer<T>;
   const int64_t steps = (K + per - 1) / per;
   // A in place when its steps are contiguous; else packed like B, its K dim as the step dim and
@@ -232,39 +236,62 @@ GE_AVX512 void gemm_impl(int64_t M, int64_t N, int64_t K, const T* a, int64_t sa
       int64_t n = this_b.take(call, lines, 0, kMaxLines);
       n = next_a.take(call, lines, n, kMaxLines);
       n = next_b.take(call, lines, n, kMaxLines);
-      kMicro<T>[mr](full_steps, half_tail, a0, am, ak, bpanel, c + m0 * ldc + n0, ldc, cols, lines, n);
+      kMicro<T>[mr](full_steps, half_tail, add_c, a0, am, ak, bpanel, c + m0 * ldc + n0, ldc, cols, lines, n);
     }
   }
 }
 #undef GE_AVX512
 
-// Scratch per thread, grown as needed (outside the AVX-512 functions, see the top). A packed A
-// (sak != 1, the weight gradient, whose K is a group's row count) is done in blocks of rows whose
-// packed copy stays under kPackCap, so the scratch a thread keeps is bounded whatever the group
-// size; each block packs B's panels again, a small cost next to its products (2 * rows FLOPs per
-// packed value of B, rows >= 32).
+// Scratch per thread, grown as needed (outside the AVX-512 functions, see the top). fp32 runs a K
+// over kKCache values in blocks of kKCache, each added to C, so a packed panel of B holds at most
+// kKCache steps (256 KB); and a packed A is done in blocks
+// of rows whose packed copy stays under kPackCap, each block packing B's panels again, a small
+// cost next to its products (2 * rows FLOPs per packed value of B, rows >= 32). Why the K
+// blocks: a weight gradient's K is a group's row count, and a whole-K panel (128 bytes per row:
+// 8 MB at 65536 rows) came from memory again for every 8 rows of C: 2.4x to 3.8x at::mm's time
+// for groups of 16K+ rows (a review, 2026-11-26). The blocks end on multiples of kKBlock, so the
+// sums are the same, bit for bit, and fp32's scratch stays under 8.3 MB a thread. bf16 sums its
+// whole K in registers (one rounding), so its panel still holds the whole K (64 bytes per K
+// value; the shape rules of gemm_cpu.cpp keep K x N under 2M, so only a B of few columns and very
+// many rows makes it large).
 constexpr int64_t kPackCap = 8 << 20;  // bytes
+// fp32 K values per block, a multiple of kKBlock. One thread, fp32 weight gradients with groups of
+// 16K to 256K rows: blocks of 512, 1024 and 2048 within 3% of each other and of at::mm; 2048
+// leaves every tile of up to 2048 rows (the bench's) as it was.
+constexpr int64_t kKCache = 2048;
+
+// A thread's scratch per type, at namespace scope so that avx512_scratch_release (for
+// cpu_pool_release) can free it.
+template <typename T>
+struct Scratch {
+  ScratchBuf<T> bpanel, apack;
+};
+thread_local Scratch<uint16_t> scratch_bf16;
+thread_local Scratch<float> scratch_f32;
 
 template <typename T>
 void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
          int64_t sbn, T* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0) return;
-  thread_local ScratchBuf<T> bpanel, apack;
+  auto& [bpanel, apack] = []() -> Scratch<T>& {
+    if constexpr (std::is_same<T, float>::value) return scratch_f32;
+    else return scratch_bf16;
+  }();
   constexpr int64_t per = kPer<T>;
-  const int64_t lanes = (K + per - 1) / per * kNR * per;  // one panel
+  const int64_t kc = per == 1 && K > kKCache ? kKCache : K;  // K values per block
+  const int64_t lanes = (kc + per - 1) / per * kNR * per;  // one panel
   bpanel.resize(static_cast<size_t>(lanes));
-  if (sak == 1) {
-    gemm_impl(M, N, K, a, sam, sak, b, sbk, sbn, c, ldc, bpanel.data(), apack.data(), next);
-    return;
-  }
   const int64_t panels = (M + kNR - 1) / kNR;
   const int64_t cap = kPackCap / static_cast<int64_t>(lanes * sizeof(T));  // panels per block
-  const int64_t block = (cap < 1 ? 1 : cap < panels ? cap : panels) * kNR;
-  apack.resize(static_cast<size_t>(lanes * (block / kNR)));
+  const int64_t block = sak == 1 ? M : (cap < 1 ? 1 : cap < panels ? cap : panels) * kNR;
+  if (sak != 1) apack.resize(static_cast<size_t>(lanes * (block / kNR)));
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t mb = M - m0 < block ? M - m0 : block;
-    gemm_impl(mb, N, K, a + m0 * sam, sam, sak, b, sbk, sbn, c + m0 * ldc, ldc, bpanel.data(), apack.data(),
-              m0 + mb >= M ? next : nullptr);
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t kb = K - k0 < kc ? K - k0 : kc;
+      gemm_impl(mb, N, kb, a + m0 * sam + k0 * sak, sam, sak, b + k0 * sbk, sbk, sbn, c + m0 * ldc, ldc,
+                bpanel.data(), apack.data(), m0 + mb >= M && k0 + kb >= K ? next : nullptr, k0 > 0);
+    }
   }
 }
 #endif
@@ -272,6 +299,20 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
 }  // namespace
 
 bool avx512_gemm_compiled() { return GE_AVX512_BUILD; }
+
+int64_t avx512_scratch_release() {
+#if GE_AVX512_BUILD
+  // One index per thread of ATen's pool, so that each frees its own (the tasks run there).
+  std::atomic<int64_t> bytes{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    bytes += static_cast<int64_t>(scratch_f32.bpanel.release() + scratch_f32.apack.release() +
+                                  scratch_bf16.bpanel.release() + scratch_bf16.apack.release());
+  });
+  return bytes;
+#else
+  return 0;
+#endif
+}
 
 void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam,
                       int64_t sak, const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c,

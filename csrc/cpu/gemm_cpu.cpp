@@ -129,6 +129,23 @@ struct Tile {
 //   256 x 128 to 2048 x 1536): 1.03x to 1.17x MKL per tile for fp32; for bf16 1.08x to 1.14x
 //   the widened copies through MKL. Two threads, the grouped GEMM bench's fp32 rows: geomean
 //   1.06x the MKL path (every row but one at 1.00x or more; E8 balanced fwd+bwd 0.90x).
+// Whether a tile is GEMV-like, where at::mm beats the own AVX-512 fp32 kernel: that kernel packs
+// all of B to use each value once for 1-2 rows, and computes 32 columns per panel, 1 of them
+// useful for N = 1. Measured on an AMD EPYC with AVX512-BF16 (one thread, 2026-11-26; 8 experts,
+// every tile on the own kernel against every tile on MKL's at::mm): 1 row of 1024 x 1024 0.39x
+// to 0.61x the time ([E, K, N] / [E, N, K] weights), 2 rows 0.60x to 0.79x, 3 rows 0.84x / 1.06x,
+// 4 rows and up 1.07x to 1.19x; 1 row of 256 x 256 0.92x, of 64 x 64 1.12x; N = 1 (4096 rows,
+// K 64 and 1024) 0.27x to 0.44x; N = 2 to 4: 0.34x to 0.80x where B is K-contiguous (the
+// [E, N, K] weight), 1.70x to 1.72x where not; N = 5 to 8 1.10x to 1.31x. fp16 widened for the
+// own kernel (no AVX512-FP16) widens all of B per tile first, which torch's fp16 at::mm (fp32
+// sums, one rounding) does not, but that is fast only with a K-contiguous B: 1 row 0.35x, 2 rows
+// 0.61x, 4 rows 1.00x, 8 rows 1.66x; N = 1 0.15x, N = 4 0.53x, N = 8 1.95x; B not K-contiguous:
+// 5.4x to 11x.
+bool gemv_like(int64_t M, int64_t N, int64_t K, int64_t sbk, bool half) {
+  if (half) return sbk == 1 && (M <= 2 || N <= 4);
+  return (M <= 2 && static_cast<double>(K) * N > 2.6e5) || N == 1 || (N <= 4 && sbk == 1);
+}
+
 template <typename T>
 bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
   const double flops = 2.0 * t.M * t.N * t.K;
@@ -149,12 +166,14 @@ bool own_kernel(const Plan& plan, const Tile<T>& t, const Prefetch* next) {
     if (plan.shape_rules && plan.amx && !(flops < 6.4e7 || (t.sbk == 1 && t.M <= 128))) return false;
     if (plan.shape_rules && !plan.amx && (kn > 2.0e6 || (t.M < 32 && kn > 2.6e5) || (t.sak == 1 && mk > 2.1e6)))
       return false;
-    if constexpr (std::is_same<T, float>::value)
+    if constexpr (std::is_same<T, float>::value) {
+      if (plan.gemv_mm && gemv_like(t.M, t.N, t.K, t.sbk, false)) return false;
       f32_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
-    else if (plan.amx)
+    } else if (plan.amx) {
       bf16_amx_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc);
-    else
+    } else {
       bf16_avx512_gemm(t.M, t.N, t.K, t.a, t.sam, t.sak, t.b, t.sbk, t.sbn, t.c, t.ldc, next);
+    }
     return true;
   }
 }
@@ -199,7 +218,11 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const Pla
   if (dt == at::kFloat || dt == at::kDouble || plan.path == HalfPath::kNative) {
     at::mm_out(out, a, b);
   } else {
-    // Widened, the product takes fp32's path on this CPU.
+    // Widened, the product takes fp32's path on this CPU; GEMV-like fp16 tiles stay fp16.
+    if (plan.gemv_mm && gemv_like(a.size(0), b.size(1), a.size(1), b.stride(0), true)) {
+      at::mm_out(out, a, b);
+      return;
+    }
     const auto a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
     if (!plan.widen_own) {
       out.copy_(at::mm(a32, b32));

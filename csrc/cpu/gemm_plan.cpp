@@ -115,6 +115,10 @@ bool f32_avx2_default() { return is_amd() && !has_avx512_bf16() && has_avx2_gemm
 // and 0.99x forward+backward; every other bench row (16.8 MFLOP tiles and up) 0.74x to 1.01x.
 constexpr double kF32OwnBelowIntel = 8.0e6;
 
+// What `gemv_like` (gemm_cpu.cpp) sends to at::mm, for cpu_gemm_path.
+constexpr const char* kGemvWhy =
+    "; GEMV-like tiles (1-2 rows and K x N over 260K, 1 column, or 2-4 columns of a K-contiguous B) on at::mm";
+
 // The plan for an fp32 product on this CPU, honouring GROUPED_EP_CPU_F32_GEMM=auto|blas|avx512|avx2.
 Plan f32_plan(std::string* why = nullptr) {
   const char* env = std::getenv("GROUPED_EP_CPU_F32_GEMM");
@@ -137,15 +141,23 @@ Plan f32_plan(std::string* why = nullptr) {
                          : avx2             ? "AMD CPU without avx512_bf16"
                          : has_avx512_bf16() ? "not an AMD CPU"
                                              : "no avx512_bf16, not an AMD CPU";
-    *why = std::string(own    ? "avx512: own avx512 kernel for every tile ("
+    *why = std::string(own    ? forced ? "avx512: own avx512 kernel for every tile ("
+                                       : "avx512: own avx512 kernel for every tile but GEMV-like ones ("
                        : avx2 ? "avx2: own avx2 kernel for every tile ("
                               : "blas: at::mm per tile (") +
            reason + ")";
     if (small_own) *why += "; tiles under 8 MFLOP on the own avx512 kernel";
+    if (!forced && (own || small_own)) *why += kGemvWhy;
   }
   Plan plan{HalfPath::kNative, own || avx2 ? kEvery : small_own ? kF32OwnBelowIntel : 0, false};
   plan.avx2 = avx2;
+  plan.gemv_mm = !forced && (own || small_own);  // gemm_cpu.cpp's `gemv_like`
   return plan;
+}
+
+bool half_forced() {
+  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
+  return env && *env && std::strcmp(env, "auto") != 0;
 }
 
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
@@ -217,6 +229,7 @@ Plan plan_for(at::ScalarType dt) {
   if (plan.path == HalfPath::kWiden && !plan.avx2) {
     const auto f32 = f32_plan();
     plan.widen_own = f32.own_below > 0 && !f32.avx2;
+    plan.gemv_mm = plan.widen_own && dt == at::kHalf && !half_forced();
   }
   return plan;
 }
@@ -230,7 +243,9 @@ std::string cpu_gemm_path(at::ScalarType dtype) {
     return why;
   }
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return std::string("as is: ") + c10::toString(dtype);
-  const auto plan = half_plan(dtype, &why);
+  const auto plan = plan_for(dtype);
+  half_plan(dtype, &why);
+  if (plan.gemv_mm) why += "; tiles of 1-2 rows or 1-4 columns of a K-contiguous B on at::mm in fp16";
   return (plan.path == HalfPath::kNative ? "native: " : "widen to fp32: ") + why;
 }
 

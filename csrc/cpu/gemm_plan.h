@@ -30,6 +30,7 @@ struct Plan {
   bool widen_own = false;  // widened tiles take the own fp32 kernel (fp32's plan says so)
   bool amx = false;        // the own bf16 kernel is the AMX one (amx_gemm.cpp), not AVX512-BF16
   bool avx2 = false;       // the own kernel is the AVX2 one (avx2_gemm.cpp), for fp32, bf16 and fp16
+  bool gemv_mm = false;    // GEMV-like tiles go to at::mm (fp32 on the own AVX-512 kernel; fp16 widened)
 };
 
 // The plan for a product of `dt` tiles on this CPU now; raises on a bad override.

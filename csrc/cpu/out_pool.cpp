@@ -24,6 +24,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "avx512_gemm.h"
+
 
 namespace grouped_ep {
 namespace {
@@ -171,8 +173,12 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 
 namespace {
 // torch.ops.grouped_ep.cpu_pool_release(): the held blocks unmapped now, their bytes returned
-// (evaluation or export after CPU training need not keep up to the cap resident).
-int64_t cpu_pool_release() { return static_cast<int64_t>(Pool::get().release()); }
+// (evaluation or export after CPU training need not keep up to the cap resident). The own AVX-512
+// kernels' per-thread scratch is freed too (not counted in the bytes returned).
+int64_t cpu_pool_release() {
+  avx512_scratch_release();
+  return static_cast<int64_t>(Pool::get().release());
+}
 }  // namespace
 
 // No tensor argument to dispatch on: one kernel for every backend.
