@@ -620,3 +620,28 @@ def test_inference_mode_with_threads(dtype, env, monkeypatch):
         assert_close(out, gemm_ref(x, w, offs, False), dtype)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize(
+    "sizes,k,n", [([1, 0, 2, 1], 1024, 512), ([40, 0, 7], 96, 1), ([9, 0, 30], 80, 3)]
+)
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_gemv_like_tiles_match_reference(dtype, sizes, k, n, trans_w):
+    # Tiles of 1-2 rows, of 1 column, or of 2-4 columns of a K-contiguous weight go to at::mm
+    # where the own AVX-512 kernel would run them (`cpu_gemm_path` says so); the others stay.
+    # Empty groups and tail rows stay exact zeros, on either side of the rule.
+    g = torch.Generator().manual_seed(11)
+    rows = sum(sizes) + 3  # tail rows past the last group
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(len(sizes), *((n, k) if trans_w else (k, n)), generator=g) / k**0.5
+    w, offs = w.to(dtype), offsets(sizes)
+    out = grouped_ep.gemm(x, w, offs, trans_w=trans_w)
+    assert_close(out, gemm_ref(x, w, offs, trans_w), dtype)
+    assert torch.all(out[sum(sizes) :] == 0)
+    dy = (torch.randn(rows, n, generator=g) / n**0.5).to(dtype)
+    dw = grouped_ep.gemm_wgrad(x, dy, offs, trans_w=trans_w)
+    assert_close(dw, wgrad_ref(x, dy, offs, trans_w), dtype)
+    assert torch.all(dw[1] == 0)
+    if dtype == torch.float32 and HAS_AVX512_BF16:
+        assert "GEMV-like tiles" in torch.ops.grouped_ep.cpu_gemm_path(dtype)
