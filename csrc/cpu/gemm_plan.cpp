@@ -155,17 +155,13 @@ Plan f32_plan(std::string* why = nullptr) {
   return plan;
 }
 
-bool half_forced() {
-  const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
-  return env && *env && std::strcmp(env, "auto") != 0;
-}
-
 // The plan for a bf16/fp16 product on this CPU, honouring GROUPED_EP_CPU_HALF_GEMM. `why`, when
 // given, gets a short reason for the bench output.
 Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
   const bool bf16 = dt == at::kBFloat16;
   const char* env = std::getenv("GROUPED_EP_CPU_HALF_GEMM");
-  if (env && *env && std::strcmp(env, "auto") != 0) {
+  const bool forced = env && *env && std::strcmp(env, "auto") != 0;
+  if (forced) {
     const bool native = std::strcmp(env, "native") == 0, own = std::strcmp(env, "avx512") == 0;
     const bool amx = std::strcmp(env, "amx") == 0, avx2 = std::strcmp(env, "avx2") == 0;
     GE_CHECK(native || own || amx || avx2 || std::strcmp(env, "widen") == 0,
@@ -202,6 +198,7 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
                     (avx2 ? "; every tile on the own avx2 kernel, widening as it reads" : "");
     Plan plan{HalfPath::kWiden, avx2 ? kEvery : 0, false};
     plan.avx2 = avx2;
+    plan.gemv_mm = !bf16 && !forced;  // where plan_for finds the tiles on the own fp32 kernel
     return plan;
   }
   if (bf16 && has_amx_bf16()) {
@@ -229,8 +226,8 @@ Plan plan_for(at::ScalarType dt) {
   if (plan.path == HalfPath::kWiden && !plan.avx2) {
     const auto f32 = f32_plan();
     plan.widen_own = f32.own_below > 0 && !f32.avx2;
-    plan.gemv_mm = plan.widen_own && dt == at::kHalf && !half_forced();
   }
+  plan.gemv_mm = plan.gemv_mm && plan.widen_own;  // GEMV-like fp16 tiles stay fp16 for at::mm
   return plan;
 }
 

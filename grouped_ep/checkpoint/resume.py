@@ -132,7 +132,7 @@ def _load(
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
         stateless = stateless_params(info, current) if optimizer is not None else []
-        check_fits(info, without(current, stateless))  # global shapes: the same on every rank
+        check_fits(info, without(current, stateless))  # rank 0's model; the others' below
         refuse_unexpected(info, current)
         return manifest, stateless, has_checksums(ckpt, manifest)
 

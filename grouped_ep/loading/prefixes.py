@@ -20,21 +20,24 @@ def model_named(model: nn.Module, ckpt: Checkpoint) -> tuple[Checkpoint, dict[st
     """`ckpt` with its keys named as `model` names them: `with_prefix_changes`, then
     `align_base_prefix`. Returns the renamed checkpoint and {renamed key: key in the files}
     (empty if nothing changed)."""
-    changed, first = with_prefix_changes(model, ckpt)
-    aligned, second = align_base_prefix(model, changed)
-    names = {key: first.get(key, key) for key in first}  # renamed once
+    names = _names(model)
+    changed, first = with_prefix_changes(model, ckpt, names)
+    aligned, second = align_base_prefix(model, changed, names)
+    in_files = dict(first)  # renamed key -> key in the files
     for new, old in second.items():
-        names.pop(old, None)
-        names[new] = first.get(old, old)
-    return aligned, {new: old for new, old in names.items() if new != old}
+        in_files.pop(old, None)
+        in_files[new] = first.get(old, old)
+    return aligned, {new: old for new, old in in_files.items() if new != old}
 
 
-def with_prefix_changes(model: nn.Module, ckpt: Checkpoint) -> tuple[Checkpoint, dict[str, str]]:
+def with_prefix_changes(
+    model: nn.Module, ckpt: Checkpoint, names: set[str]
+) -> tuple[Checkpoint, dict[str, str]]:
     """`ckpt` with transformers' `PrefixChange` renamings of `model`'s type applied to its keys,
     as `from_pretrained` applies them before it matches keys to the model: where that names
     more of the model's tensors (after the base prefix is aligned) than the keys as they are.
     `save_pretrained` does not reverse them (nothing records that the prefix was there), so
-    they are read here, not off the probes of `converted`."""
+    they are read here, not off the probes of `converted`. `names`: the model's (`_names`)."""
     changes = _prefix_changes(model)
     if not changes:
         return ckpt, {}
@@ -45,7 +48,7 @@ def with_prefix_changes(model: nn.Module, ckpt: Checkpoint) -> tuple[Checkpoint,
     if all(k == v for k, v in rename.items()) or len(set(rename.values())) != len(rename):
         return ckpt, {}
     renamed = _renamed(ckpt, rename)
-    if _named(model, renamed) <= _named(model, ckpt):
+    if _named(model, renamed, names) <= _named(model, ckpt, names):
         return ckpt, {}
     return renamed, {new: old for old, new in rename.items() if new != old}
 
@@ -68,10 +71,10 @@ def _names(model: nn.Module) -> set[str]:
     return {unwrapped_name(n) for n, _ in chain(model.named_parameters(), model.named_buffers())}
 
 
-def _named(model: nn.Module, ckpt: Checkpoint) -> int:
-    """How many of `ckpt`'s keys, base prefix aligned, are names of `model`'s tensors."""
-    aligned, _ = align_base_prefix(model, ckpt)
-    return len(_names(model).intersection(chain(aligned.entries, aligned.unreadable)))
+def _named(model: nn.Module, ckpt: Checkpoint, names: set[str]) -> int:
+    """How many of `ckpt`'s keys, base prefix aligned, are `names` of `model`'s tensors."""
+    aligned, _ = align_base_prefix(model, ckpt, names)
+    return len(names.intersection(chain(aligned.entries, aligned.unreadable)))
 
 
 def _renamed(ckpt: Checkpoint, rename: dict[str, str]) -> Checkpoint:
@@ -80,16 +83,16 @@ def _renamed(ckpt: Checkpoint, rename: dict[str, str]) -> Checkpoint:
     return Checkpoint(ckpt.root, ckpt.files, entries, unreadable)
 
 
-def align_base_prefix(model: nn.Module, ckpt):
+def align_base_prefix(model: nn.Module, ckpt: Checkpoint, names: set[str]):
     """A transformers base model (`Qwen3MoeModel`) from a checkpoint of its model with a head
     (`model.layers...`), or a model with a head from its base model's checkpoint: the keys with
     the base model's prefix stripped or added, as `from_pretrained` does. Returns the checkpoint
-    as the model names it, and {renamed key: key in the files} (empty if nothing changed)."""
+    as the model names it, and {renamed key: key in the files} (empty if nothing changed).
+    `names`: the model's tensors' names (`_names`)."""
     prefix = getattr(model, "base_model_prefix", "") if is_transformers_model(model) else ""
     if not prefix:
         return ckpt, {}
     dot = f"{prefix}."
-    names = {unwrapped_name(n) for n, _ in chain(model.named_parameters(), model.named_buffers())}
     keys = list(chain(ckpt.entries, ckpt.unreadable))
     model_has = any(n.startswith(dot) for n in names)
     ckpt_has = any(k.startswith(dot) for k in keys)
