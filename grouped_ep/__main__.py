@@ -19,28 +19,32 @@ import sys
 def _inspect(args: argparse.Namespace) -> int:
     from grouped_ep.checkpoint import CheckpointError, describe
     from grouped_ep.checkpoint.checksum import (
-        has_checksums,
+        checksum_kind,
+        checksum_name,
         missing_file,
         read_manifest,
         recorded_files,
         verify_file,
         verify_share,
     )
+    from grouped_ep.checkpoint.fit import check_format
     from grouped_ep.checkpoint.inspect import format_report
     from grouped_ep.checkpoint.layout import resolve
 
     try:
         info = describe(resolve(args.dir))
         manifest = read_manifest(info.path)
+        check_format(info.path, manifest)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    crc = has_checksums(info.path, manifest)
+    kind = checksum_kind(info.path, manifest)
+    crc, name = kind is not None, checksum_name(kind)
     checked = crc and not args.no_verify and not info.problems
     save_id = manifest.get("save_id")
     listed = recorded_files(info.path, save_id)  # each rank's `extra`, as its table lists it
     if checked:  # reads every data file
-        info.problems += verify_share(info, save_id=save_id)
+        info.problems += verify_share(info, save_id=save_id, kind=kind)
         extras = set(listed)  # and the ones there, listed or not
         for extra in info.path.glob("extra-rank*.pt"):
             owner = extra.stem.removeprefix("extra-rank")
@@ -51,11 +55,11 @@ def _inspect(args: argparse.Namespace) -> int:
         info.problems += filter(None, (missing_file(info.path, *e) for e in sorted(listed)))
     print(format_report(info, chunks=not args.summary))
     if checked and not info.problems:
-        print("OK: every chunk's bytes match the CRC32C saved with them")
+        print(f"OK: every chunk's bytes match the {name} saved with them")
     elif not crc:
         print("(saved without checksums: values not verified)")
     elif args.no_verify:
-        print("(--no-verify: the CRC32Cs saved with the data were not checked)")
+        print(f"(--no-verify: the {name}s saved with the data were not checked)")
     if info.problems:
         print(f"error: checkpoint {info.path} has {len(info.problems)} problem(s)", file=sys.stderr)
         return 1

@@ -336,7 +336,11 @@ def _set_path(monkeypatch, path, dtype):
         "avx2": "avx2: own" if dtype == torch.float32 else "widen to fp32: own avx2",
     }[path]
     if path in ("avx512", "amx") and dtype == torch.float16:
-        expect = ""  # a bf16 kernel: fp16 keeps its automatic choice
+        # A bf16 kernel: fp16 keeps its automatic choice, the GEMV-like rule included.
+        monkeypatch.setenv(var, "auto")
+        expect = torch.ops.grouped_ep.cpu_gemm_path(dtype)
+        monkeypatch.setenv(var, path)
+        assert torch.ops.grouped_ep.cpu_gemm_path(dtype) == expect
     assert torch.ops.grouped_ep.cpu_gemm_path(dtype).startswith(expect)
     return True
 

@@ -641,7 +641,13 @@ def test_a_named_pipe_in_the_checkpoint_folder_is_not_waited_on(tmp_path):
     """A FIFO named `*.safetensors` (or any non-regular file) is not a checkpoint file: the only
     one in a folder used to be opened, which blocks forever."""
     os.mkfifo(tmp_path / "model.safetensors")
-    _expect(r"found 0 index files and 0 \.safetensors files", _fused_model(), tmp_path)
+    (tmp_path / "gone.safetensors").symlink_to(tmp_path / "nowhere")
+    _expect(
+        r"found 0 index files and 0 \.safetensors files; not read: gone\.safetensors \(a broken "
+        r"link\), model\.safetensors \(not a regular file\)",
+        _fused_model(),
+        tmp_path,
+    )
     _expect(r"is not a regular file", _fused_model(), tmp_path / "model.safetensors")
     other = tmp_path / "sub"
     other.mkdir()

@@ -95,9 +95,40 @@ def test_default_threads_shares_cores_with_local_ranks(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(128)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert default_threads() == 16
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        default_threads()
+    for bad in ("two", "0", "-2"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(
+            ValueError, match=f"LOCAL_WORLD_SIZE must be an integer >= 1, got '{bad}'"
+        ):
+            default_threads()
+
+
+@pytest.mark.parametrize(
+    "var, bad",
+    [
+        ("GROUPED_EP_READER_HUGEPAGES", "false"),
+        ("GROUPED_EP_READER_HUGEPAGES", "off"),
+        ("GROUPED_EP_READER_POPULATE", "no"),
+        ("GROUPED_EP_READER_POPULATE", "2"),
+        ("GROUPED_EP_READER_LOOKAHEAD", "abc"),
+        ("GROUPED_EP_READER_LOOKAHEAD", "-1"),
+        ("GROUPED_EP_READER_LOOKAHEAD", "4x"),
+    ],
+)
+def test_reader_environment_values_are_checked(tmp_path, monkeypatch, var, bad):
+    """Each reader variable takes only the values the README names: "false" had turned huge
+    pages on (anything but "0" was on), and a LOOKAHEAD that is not a number was read as 0."""
+    path, data = _blob(tmp_path, 4096)
+    out = torch.empty(4096, dtype=torch.uint8)
+    plan = torch.tensor([[0, 0, 0, 0, 4096]])
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(RuntimeError, match=f"{var}={bad} must be"):
+        torch.ops.grouped_ep.read_ranges([path], [out], plan, 1)
+    for good in ("0", "1", ""):
+        monkeypatch.setenv(var, good)
+        out.zero_()
+        assert torch.ops.grouped_ep.read_ranges([path], [out], plan, 1) == 4096
+        assert torch.equal(out, data)
 
 
 def _crc32c_reference(data: bytes) -> int:

@@ -198,7 +198,8 @@ Plan half_plan(at::ScalarType dt, std::string* why = nullptr) {
                     (avx2 ? "; every tile on the own avx2 kernel, widening as it reads" : "");
     Plan plan{HalfPath::kWiden, avx2 ? kEvery : 0, false};
     plan.avx2 = avx2;
-    plan.gemv_mm = !bf16 && !forced;  // where plan_for finds the tiles on the own fp32 kernel
+    // Forced values that reach here name bf16 kernels (avx512, amx): fp16 keeps its automatic plan.
+    plan.gemv_mm = !bf16;  // where plan_for finds the tiles on the own fp32 kernel
     return plan;
   }
   if (bf16 && has_amx_bf16()) {

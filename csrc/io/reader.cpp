@@ -66,16 +66,32 @@ constexpr size_t kLookahead = 0;
 // compaction and loads ran at 0.76x get_slice against 1.65x without it, geomean of two quick
 // bench runs minutes apart, bench/results/*-20261122-1959-quick and -2003-quick).
 // GROUPED_EP_READER_POPULATE=0 turns the populate-before-read step off (to measure it).
+// Each is 0 or 1 (unset or empty: the default); anything else is an error naming the variable
+// ("false" had turned huge pages on). Read on the calling thread, before any worker starts.
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
-  return v == nullptr || *v == '\0' ? fallback : std::strcmp(v, "0") != 0;
+  if (v == nullptr || *v == '\0') return fallback;
+  GE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0, "read_ranges: environment variable ", name,
+           "=", v, " must be 0 (off) or 1 (on); the default is ", fallback ? "1" : "0");
+  return std::strcmp(v, "1") == 0;
+}
+
+// GROUPED_EP_READER_LOOKAHEAD: a whole number of chunks, 0 to 1024 (unset or empty: kLookahead).
+size_t env_lookahead() {
+  const char* v = std::getenv("GROUPED_EP_READER_LOOKAHEAD");
+  if (v == nullptr || *v == '\0') return kLookahead;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(v, &end, 10);
+  GE_CHECK(errno == 0 && *end == '\0' && n >= 0 && n <= 1024, "read_ranges: environment variable ",
+           "GROUPED_EP_READER_LOOKAHEAD=", v, " must be a whole number of chunks from 0 to 1024");
+  return static_cast<size_t>(n);
 }
 
 // Fresh destination memory would otherwise be faulted in by the kernel during the copy, one
 // 4 KiB page at a time. Asking for transparent huge pages on the 2 MiB-aligned interior of
 // large outputs cuts the faults 512x (a hint: ignored where THP is off).
-void advise_huge_pages(const at::Tensor& out) {
-  static const bool enabled = env_flag("GROUPED_EP_READER_HUGEPAGES", false);
+void advise_huge_pages(const at::Tensor& out, bool enabled) {
   if (!enabled || out.nbytes() < 2 * kHugePage) return;
   const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
@@ -268,12 +284,16 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
     if (len > 0) rows.push_back({file, src, static_cast<uint8_t*>(outs[out].data_ptr()) + dst, len});
     total += len;
   }
+  // Read on every call (cheap), so that a bad value is an error every time, not only the first.
+  const bool huge_pages = env_flag("GROUPED_EP_READER_HUGEPAGES", false);
+  const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE", true);
+  const size_t lookahead = env_lookahead();
   if (rows.empty()) return 0;
   std::vector<Row> segments;
   std::vector<Chunk> chunks;
   make_chunks(rows, segments, chunks);
 
-  for (const auto& out : outs) advise_huge_pages(out);
+  for (const auto& out : outs) advise_huge_pages(out, huge_pages);
   const Files files(paths, identity);
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -294,17 +314,12 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
     const Chunk& c = chunks[i];
     ::posix_fadvise(files.fd(c.file), c.src, c.len, POSIX_FADV_WILLNEED);
   };
-  static const size_t lookahead = [] {
-    const char* v = std::getenv("GROUPED_EP_READER_LOOKAHEAD");
-    return v && *v ? static_cast<size_t>(std::max(0, std::atoi(v))) : kLookahead;
-  }();
   const size_t ahead = lookahead * static_cast<size_t>(workers);
   for (size_t i = 0; i < std::min(ahead, chunks.size()); ++i) prefetch(i);
   // Runs on every worker thread and on the calling thread; nothing may escape it (an exception
   // leaving a thread's function is std::terminate).
   auto work = [&]() noexcept {
     try {
-      static const bool populate_enabled = env_flag("GROUPED_EP_READER_POPULATE", true);
       bool madvise_works = true;
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t i = next.fetch_add(1);

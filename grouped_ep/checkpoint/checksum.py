@@ -16,12 +16,17 @@ CRC32C of its `extra-rank<r>.pt`. Tables are written and fsynced before the comm
 
 `verify_share(info, part, parts)` checks the chunks of every `parts`-th data file from `part` on:
 `load` gives each rank its share (every file is read once, by one rank), `inspect` checks all.
+
+Checkpoints saved by grouped_ep between 5fe8965 and 764c765 hold zlib CRC-32s instead, in
+`__<r>_crc32.json` tables of the same layout (without save id or `files`), and their manifest
+says `"checksums": "crc32"`: those are checked with zlib (`checksum_kind`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,8 @@ from grouped_ep.checkpoint.layout import MANIFEST_FILE, write_text_atomic
 
 FORMAT = "crc32c"  # the manifest's "checksums" value, and the checksum tables' key
 SUFFIX = FORMAT + ".json"
+LEGACY = "crc32"  # the same for saves between 5fe8965 and 764c765 (zlib's CRC-32)
+_NAMES = {FORMAT: "CRC32C", LEGACY: "CRC-32"}
 
 
 def _threads() -> int:
@@ -48,6 +55,25 @@ def crc32c(path: Path, spans: list[tuple[int, int]]) -> list[int]:
     offsets = torch.tensor([o for o, _ in spans], dtype=torch.int64)
     lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
     return torch.ops.grouped_ep.crc32c(str(path), offsets, lengths, _threads()).tolist()
+
+
+def _zlib_crc32(path: Path, spans: list[tuple[int, int]]) -> list[int]:
+    """`crc32c` for the older tables: zlib's CRC-32 of each span, read in 4 MiB pieces."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for offset, length in spans:
+                f.seek(offset)
+                crc, left = 0, length
+                while left:
+                    piece = f.read(min(left, 4 << 20))
+                    if not piece:
+                        raise RuntimeError(f"{path}: ends before offset {offset + length - left}")
+                    crc, left = zlib.crc32(piece, crc), left - len(piece)
+                out.append(crc)
+    except OSError as e:
+        raise RuntimeError(f"{path}: cannot read it ({e})") from e
+    return out
 
 
 def file_crc(path: Path) -> list[int]:
@@ -83,9 +109,9 @@ class ChecksumWriter(dcp.FileSystemWriter):
         return done
 
 
-def _sidecar(data_file: str) -> str:
+def _sidecar(data_file: str, kind: str = FORMAT) -> str:
     """`__3_0.distcp` -> `__3_crc32c.json` (the file DCP's prefix for rank 3 names)."""
-    return data_file.rpartition("_")[0] + "_" + SUFFIX
+    return data_file.rpartition("_")[0] + "_" + kind + ".json"
 
 
 def _spans(value) -> dict[tuple[int, int], int] | None:
@@ -104,15 +130,17 @@ def _spans(value) -> dict[tuple[int, int], int] | None:
     return out
 
 
-def _read_table(side: Path, save_id: str | None) -> tuple[dict | None, str | None]:
+def _read_table(
+    side: Path, save_id: str | None, kind: str = FORMAT
+) -> tuple[dict | None, str | None]:
     """The table of checksum file `side` (`{FORMAT: ..., "save_id": ..., "files": ...}`), or
     (None, what is wrong with it); with `save_id`, the table must be of that save."""
     try:
         table = json.loads(side.read_text())
     except (OSError, ValueError) as e:
         return None, f"{side}: cannot read it ({e})"
-    if not isinstance(table, dict) or not isinstance(table.get(FORMAT), dict):
-        return None, f"{side}: not a checksum file (no '{FORMAT}' table)"
+    if not isinstance(table, dict) or not isinstance(table.get(kind), dict):
+        return None, f"{side}: not a checksum file (no '{kind}' table)"
     if save_id is not None and table.get("save_id") != save_id:
         return None, (
             f"{side}: written by another save (id {table.get('save_id')!r}, the manifest's is "
@@ -147,9 +175,18 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
-def has_checksums(ckpt: Path, manifest: dict) -> bool:
-    """Whether `ckpt` was saved with checksums: its manifest says so, or tables are there."""
-    return manifest.get("checksums") == FORMAT or any(ckpt.glob(f"__*_{SUFFIX}"))
+def checksum_kind(ckpt: Path, manifest: dict) -> str | None:
+    """The checksums `ckpt` was saved with (`FORMAT`, or `LEGACY` for older saves), as its
+    manifest says or its tables show; None for a checkpoint saved without them."""
+    kind = manifest.get("checksums")
+    if kind in _NAMES:
+        return kind
+    return FORMAT if any(ckpt.glob(f"__*_{SUFFIX}")) else None
+
+
+def checksum_name(kind: str | None) -> str:
+    """ "CRC32C" or "CRC-32", for messages."""
+    return _NAMES.get(kind or FORMAT, "CRC32C")
 
 
 def _file_entry(ckpt: Path, name: str, owner: int, save_id: str) -> tuple[Any, str | None]:
@@ -218,12 +255,17 @@ def verify_file(ckpt: Path, name: str, owner: int, save_id: str | None) -> str |
 
 
 def verify_share(
-    info: CheckpointInfo, part: int = 0, parts: int = 1, save_id: str | None = None
+    info: CheckpointInfo,
+    part: int = 0,
+    parts: int = 1,
+    save_id: str | None = None,
+    kind: str = FORMAT,
 ) -> list[str]:
     """Problems found checking data files `part`, `part + parts`, ... (sorted by name) against
     the checksums saved with them; [] when they match. Every chunk `.metadata` places in such a
     file must have its checksum; with `save_id` (the manifest's), every table must carry it.
-    Call only for a checkpoint saved with checksums (`has_checksums`)."""
+    Call only for a checkpoint saved with checksums, of `checksum_kind`'s `kind`."""
+    crc_of, crc_name = (crc32c, "CRC32C") if kind == FORMAT else (_zlib_crc32, _NAMES[kind])
     chunks: dict[str, list[tuple[int, int, str]]] = {}
     for key, t in info.tensors.items():
         for c in t.chunks:
@@ -235,17 +277,17 @@ def verify_share(
     for i, name in enumerate(sorted(info.files)):
         if i % parts != part:
             continue
-        side = info.path / _sidecar(name)
+        side = info.path / _sidecar(name, kind)
         if side.name not in tables:
-            tables[side.name] = _read_table(side, save_id)
+            tables[side.name] = _read_table(side, save_id, kind)
             if tables[side.name][1] is not None:
                 problems.append(f"{tables[side.name][1]}; it holds the checksums of {name}")
         table = tables[side.name][0]
         if table is None:
             continue
-        if name not in table[FORMAT] and not chunks.get(name):
+        if name not in table[kind] and not chunks.get(name):
             continue  # a rank that had nothing to write (replicated tensors are written once)
-        sums = _spans(table[FORMAT].get(name))
+        sums = _spans(table[kind].get(name))
         if sums is None:
             problems.append(f"{side}: no well-formed checksums for {name}")
             continue
@@ -256,7 +298,7 @@ def verify_share(
             )
         todo = sorted((o, n, key) for o, n, key in chunks.get(name, []) if (o, n) in sums)
         try:
-            got = crc32c(info.path / name, [(o, n) for o, n, _ in todo])
+            got = crc_of(info.path / name, [(o, n) for o, n, _ in todo])
         except RuntimeError as e:
             problems.append(str(e).split("\n")[0])
             continue
@@ -265,7 +307,7 @@ def verify_share(
             if crc != want:
                 problems.append(
                     f"{info.path / name}: the bytes of {key!r} (offset {offset}, {length} bytes) "
-                    f"do not match the CRC32C saved with them ({crc:08x}, saved {want:08x}): the "
+                    f"do not match the {crc_name} saved with them ({crc:08x}, saved {want:08x}): the "
                     "file was changed or damaged after the save"
                 )
     return problems

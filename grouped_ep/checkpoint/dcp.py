@@ -64,6 +64,7 @@ from grouped_ep.checkpoint.extra import write_extra
 from grouped_ep.checkpoint.fit import tied_groups
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
+    FORMAT_VERSION,
     TMP_PREFIX,
     commit_step,
     next_step,
@@ -76,7 +77,6 @@ from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 
 __all__ = ["AsyncSave", "save"]
 
-FORMAT_VERSION = 1
 SAVE_ID_FILE = ".save_id"  # rank 0 writes the save's id into the step it makes: each rank checks
 
 

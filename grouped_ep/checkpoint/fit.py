@@ -4,6 +4,8 @@ has no place for, and which parameters resume without optimizer state."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep.checkpoint.errors import CheckpointError, listed
 from grouped_ep.checkpoint.inspect import CheckpointInfo
+from grouped_ep.checkpoint.layout import FORMAT_VERSION, MANIFEST_FILE
 
 
 def refuse_meta(model: nn.Module) -> None:
@@ -78,6 +81,34 @@ def refuse_split_ties(model: nn.Module, saved: list[list[str]]) -> None:
             f"separate tensors in the model now: {'; '.join(split)} (model.to_empty unties "
             "shared parameters); share them again before load (e.g. model.head.weight = "
             "model.embed.weight, or model.tie_weights()), or training updates separate copies"
+        )
+
+
+def check_format(ckpt: Path, manifest: dict) -> None:
+    """Refuse a checkpoint of a newer format than this code reads (none for plain DCP ones)."""
+    if not manifest:
+        return
+    fmt = manifest.get("format", 1)
+    if not (isinstance(fmt, int) and not isinstance(fmt, bool) and 1 <= fmt <= FORMAT_VERSION):
+        raise CheckpointError(
+            f"load: {ckpt / MANIFEST_FILE} says checkpoint format {fmt!r}; this grouped_ep reads "
+            f"formats 1 to {FORMAT_VERSION}: the checkpoint was saved by a newer grouped_ep, "
+            "which is needed to load it"
+        )
+
+
+def warn_untracked_ties(ckpt: Path, manifest: dict, stateless: list[str]) -> None:
+    """For a checkpoint saved before shared tensors were recorded (no "tied":
+    `refuse_split_ties` cannot check it), warn where a parameter has no optimizer state in it:
+    the mark a shared tensor split by `to_empty` leaves."""
+    if manifest and "tied" not in manifest and stateless:
+        warnings.warn(
+            f"load: {ckpt} was saved before grouped_ep recorded shared tensors, and these "
+            f"parameters have no optimizer state in it: {listed(stateless)}. If one was shared with "
+            "another parameter when saved (a head tied to the embedding, untied by "
+            "model.to_empty), share it again and load again: as loaded, it resumes as a separate "
+            "copy without optimizer state",
+            stacklevel=6,  # the caller of checkpoint.load (through check, on_rank0, _load)
         )
 
 

@@ -22,6 +22,10 @@ from grouped_ep.checkpoint.inspect import METADATA_FILE
 
 LATEST_FILE = "latest"
 MANIFEST_FILE = "grouped_ep.json"
+# The manifest's "format". 1: every save before 2026-11-26 (its fields grew over time: "checksums"
+# "crc32" then "crc32c", "save_id", "tied"); 2: the first that `load` checks, refusing a newer one.
+# Bump it when a save writes something an older `load` would read wrong.
+FORMAT_VERSION = 2
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 

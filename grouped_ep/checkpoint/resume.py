@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag
-from grouped_ep.checkpoint.checksum import has_checksums, read_manifest, verify_share
+from grouped_ep.checkpoint.checksum import checksum_kind, read_manifest, verify_share
 from grouped_ep.checkpoint.collective import (
     all_ok,
     dcp_quiet,
@@ -41,12 +41,14 @@ from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.extra import read_extra
 from grouped_ep.checkpoint.fit import (
     check_fits,
+    check_format,
     check_param_groups,
     refuse_meta,
     refuse_split_ties,
     refuse_unexpected,
     refuse_untied,
     stateless_params,
+    warn_untracked_ties,
     without,
 )
 from grouped_ep.checkpoint.inspect import describe
@@ -80,7 +82,7 @@ def load(
         verify: check every chunk's bytes against the CRC32C saved with it before anything is
             read into the model (each rank checks a share of the data files: the checkpoint is
             read once more in all). False skips it. Checkpoints saved without checksums (older
-            versions) are not checked.
+            versions) are not checked; older ones with CRC-32s are checked against those.
 
     Non-persistent buffers (rotary `inv_freq`, ...), which no checkpoint holds, are recomputed
     afterwards from their modules' own initialization, as a fresh build has them: after
@@ -123,20 +125,22 @@ def _load(
     ckpt = _own_checkpoint(path)
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
-    def check() -> tuple[dict[str, Any], list, bool]:
+    def check() -> tuple[dict[str, Any], list, str | None]:
         info = describe(ckpt)
         described.append(info)
         info.raise_if_invalid()
         manifest = read_manifest(ckpt)
+        check_format(ckpt, manifest)
         refuse_split_ties(model, manifest.get("tied", []))
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
         stateless = stateless_params(info, current) if optimizer is not None else []
+        warn_untracked_ties(ckpt, manifest, stateless)
         check_fits(info, without(current, stateless))  # rank 0's model; the others' below
         refuse_unexpected(info, current)
-        return manifest, stateless, has_checksums(ckpt, manifest)
+        return manifest, stateless, checksum_kind(ckpt, manifest)
 
-    manifest, stateless, checked = on_rank0(check)
+    manifest, stateless, kind = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state
     info, error = described[0] if described else None, None
     if info is None:  # the other ranks' models: each may differ from rank 0's
@@ -147,10 +151,10 @@ def _load(
         except Exception as e:  # noqa: BLE001 (on every rank to all_ok: no rank left waiting)
             error = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     all_ok(error, "load: checking the model against the checkpoint")
-    checked = checked and verify_
+    checked = kind is not None and verify_
     if checked:  # each rank checks a share of the files
         try:
-            problems = verify_share(info, rank(), world(), manifest.get("save_id"))
+            problems = verify_share(info, rank(), world(), manifest.get("save_id"), kind)
         except Exception as e:  # on every rank to all_ok: no rank left waiting
             problems = [f"{type(e).__name__}: {e}"]
         shown = "; ".join(problems[:5]) + (

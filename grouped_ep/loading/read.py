@@ -25,11 +25,11 @@ def default_threads() -> int:
     and the kernel's read-ahead (csrc/io/reader.cpp), not through more threads."""
     raw = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
     try:
-        local_ranks = max(1, int(raw))
+        local_ranks = int(raw)
     except ValueError:
-        raise ValueError(
-            f"load_sharded: LOCAL_WORLD_SIZE must be an integer, got {raw!r}"
-        ) from None
+        local_ranks = 0
+    if local_ranks < 1:
+        raise ValueError(f"load_sharded: LOCAL_WORLD_SIZE must be an integer >= 1, got {raw!r}")
     return max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
 
 

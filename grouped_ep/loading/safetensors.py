@@ -265,6 +265,23 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
+def _not_regular(folder: Path) -> str:
+    """A note naming the `*.safetensors` entries of `folder` that are not regular files (a named
+    pipe, a folder, a broken link), which the search above passed over."""
+    odd = sorted(
+        p.name
+        for p in folder.glob("*.safetensors*")
+        if p.name.endswith((".safetensors", ".safetensors.index.json")) and not p.is_file()
+    )
+    if not odd:
+        return ""
+    kinds = [
+        f"{n} ({'a broken link' if not (folder / n).exists() else 'not a regular file'})"
+        for n in odd
+    ]
+    return "; not read: " + ", ".join(kinds)
+
+
 def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
     """Find and validate every header of a checkpoint.
 
@@ -304,6 +321,7 @@ def _open_checkpoint(path: Path) -> Checkpoint:
                     if pickled
                     else ""
                 )
+                hint += _not_regular(path)
                 raise LoadError(
                     f"{path}: expected {INDEX_NAME} or a single .safetensors file, found "
                     f"{len(indexes)} index files and {len(files)} .safetensors files{hint}"

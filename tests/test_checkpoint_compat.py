@@ -1,0 +1,143 @@
+"""Checkpoints of other grouped_ep versions: the older checksum tables (zlib CRC-32, saves
+between 5fe8965 and 764c765) are checked, not taken for "no checksums"; a newer format than this
+code reads is refused; a save from before shared tensors were recorded warns where a split tie
+would show. The old layouts are rebuilt here from a current save, as those commits wrote them
+(a review compared them with checkpoints the old commits saved, 2026-11-26)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from grouped_ep import checkpoint as ck
+
+
+def _model(fill: float) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) * fill + i)
+    return model
+
+
+def _inspect(path: Path) -> subprocess.CompletedProcess:
+    cli = [sys.executable, "-m", "grouped_ep", "inspect", str(path), "--summary"]
+    return subprocess.run(cli, capture_output=True, text=True, timeout=120)
+
+
+def _as_crc32_era(step: Path) -> None:
+    """Rewrite a current save's step as saves between 5fe8965 and 764c765 wrote it: manifest format
+    1 with `"checksums": "crc32"` and no save id or "tied"; `__<r>_crc32.json` tables of zlib
+    CRC-32s over the same spans."""
+    for table_path in sorted(step.glob("__*_crc32c.json")):
+        table = json.loads(table_path.read_text())["crc32c"]
+        old = {}
+        for name, rows in table.items():
+            data = (step / name).read_bytes()
+            old[name] = [[o, n, zlib.crc32(data[o : o + n])] for o, n, _ in rows]
+        (step / table_path.name.replace("crc32c", "crc32")).write_text(json.dumps({"crc32": old}))
+        table_path.unlink()
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    for key in ("save_id", "tied"):
+        del manifest[key]
+    manifest.update(format=1, checksums="crc32")
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+
+
+def test_crc32_era_checkpoint_is_checked(tmp_path: Path) -> None:
+    """HEAD loaded a flipped bit in such a checkpoint into the model without a word (it looked
+    for CRC32C tables only), and `inspect` said it was saved without checksums."""
+    saved = _model(1.0)
+    step = ck.save(tmp_path, saved, step=3)
+    _as_crc32_era(step)
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    for a, b in zip(fresh.parameters(), saved.parameters()):
+        assert torch.equal(a, b)
+    good = _inspect(tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert "OK: every chunk's bytes match the CRC-32 saved with them" in good.stdout
+
+    chunk = ck.describe(step).tensors["model.0.weight"].chunks[0]
+    with open(step / chunk.file, "r+b") as f:
+        f.seek(chunk.file_offset + chunk.length // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    fresh = _model(0.0)
+    with pytest.raises(ck.CheckpointError, match=r"'model\.0\.weight'.* do not match the CRC-32"):
+        ck.load(tmp_path, fresh)
+    assert torch.equal(fresh[0].weight, _model(0.0)[0].weight)  # untouched
+    bad = _inspect(tmp_path)
+    assert bad.returncode == 1 and "do not match the CRC-32" in bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("fmt", [3, 99, "2", None])
+def test_newer_or_unknown_format_is_refused(tmp_path: Path, fmt) -> None:
+    """The manifest's format was written but never read: a checkpoint of a newer grouped_ep,
+    whatever it had changed, loaded as if this code understood it."""
+    step = ck.save(tmp_path, _model(1.0), step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    assert manifest["format"] == 2
+    manifest["format"] = fmt
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    fresh = _model(0.0)
+    with pytest.raises(
+        ck.CheckpointError, match=rf"checkpoint format {fmt!r}.* reads formats 1 to 2"
+    ):
+        ck.load(tmp_path, fresh)
+    assert torch.equal(fresh[1].bias, _model(0.0)[1].bias)
+    bad = _inspect(tmp_path)
+    assert bad.returncode == 1 and "reads formats 1 to 2" in bad.stderr
+
+
+def test_format_1_loads(tmp_path: Path) -> None:
+    saved = _model(2.0)
+    step = ck.save(tmp_path, saved, step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    manifest["format"] = 1
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh[0].weight, saved[0].weight)
+
+
+def _tied() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10, bias=False))
+    model[1].weight = model[0].weight
+    return model
+
+
+def test_untracked_tie_warns_where_a_split_tie_would_show(tmp_path: Path) -> None:
+    """A save from before "tied" was recorded: a head tied to the embedding at save and split by
+    `to_empty` at load resumed as a separate copy without optimizer state, silently."""
+    model = _tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    step = ck.save(tmp_path, model, opt, step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    assert manifest["tied"] == [["0.weight", "1.weight"]]
+    split = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10, bias=False))  # the tie lost
+    with pytest.raises(ck.CheckpointError, match="one shared tensor when the checkpoint was saved"):
+        ck.load(tmp_path, split, torch.optim.AdamW(split.parameters(), lr=0.1))
+    del manifest["tied"]  # as saves before 7f1aa23 wrote it
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    with pytest.warns(
+        UserWarning, match=r"recorded shared tensors, .* optimizer state in it: 1\.weight\."
+    ) as seen:
+        ck.load(tmp_path, split, torch.optim.AdamW(split.parameters(), lr=0.1))
+    assert seen[0].filename == __file__  # points at the call of load
+    retied = _tied()  # shared again: nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.load(tmp_path, retied, torch.optim.AdamW(retied.parameters(), lr=0.1))
+    assert torch.equal(retied[1].weight, model[0].weight)
