@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
@@ -53,6 +54,7 @@ from grouped_ep.checkpoint.safetensors_writer import (
     StreamingSafetensorsWriter,
     parse_size,
 )
+from grouped_ep.loading.converted import is_transformers_model
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -99,6 +101,8 @@ def export_hf(
     """
     # torch.compile's and DDP's wrappers: keys with `_orig_mod.` / `module.`, no transformers model
     model = unwrapped_model(model)
+    if is_transformers_model(model):
+        require_transformers(CheckpointError, "export_hf")
     if not any(True for _ in model.state_dict()):
         raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
     if not os.fspath(dir):

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 from transformers.modeling_utils import PreTrainedModel
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
+from grouped_ep._hf_version import require_transformers
 from grouped_ep._validate import canonical_device, check_can_hold
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
@@ -41,6 +41,10 @@ from grouped_ep.parallel import (
     fully_shard_moe,
     uses_experts_interface,
 )
+
+# Before the names older releases lack (the experts interface is new in 5.7).
+require_transformers(ImportError, "import grouped_ep.hf")
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate  # noqa: E402
 
 __all__ = [
     "IMPLEMENTATION",

@@ -103,10 +103,12 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
     singles = [[n] for n in names]
     if not is_transformers_model(model):
         return singles
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+    # Imported outside the try: a name that moved is an ImportError naming it (5.21+ is checked
+    # at the entry points), not one tensor at a time, which is wrong for merging converters.
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
 
+    try:
         with own_class_names(model):
             forward = None if default_mapping else getattr(model, "_weight_conversions", None)
             if forward is None:
@@ -119,7 +121,7 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
             renamed, pattern = apply_converters(name, converters)
             groups.setdefault(renamed if pattern is not None else f"\0{name}", []).append(name)
         return list(groups.values())
-    except Exception:  # noqa: BLE001 (an internal API that moved: convert one name at a time)
+    except Exception:  # noqa: BLE001 (a mapping that cannot be read: one name at a time)
         return singles
 
 

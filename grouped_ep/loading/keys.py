@@ -48,10 +48,10 @@ def same_name_transpose(model, name: str) -> tuple[int, int] | None:
     tensor's name, and the op compares shapes with the model's real parameter."""
     if not is_transformers_model(model):
         return None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import Transpose, WeightConverter
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
 
+    try:
         with own_class_names(model):
             mapping = get_model_conversion_mapping(model, add_legacy=False)
         for conv in mapping:
@@ -64,7 +64,7 @@ def same_name_transpose(model, name: str) -> tuple[int, int] | None:
             patterns = [re.escape(p).replace(r"\*", r"[^.]+") for p in conv.source_patterns]
             if len(ops) == 1 and any(re.search(rf"(^|\.){p}$", name) for p in patterns):
                 return ops[0].dim0, ops[0].dim1
-    except Exception:  # noqa: BLE001 (an internal API that moved: no such conversion known)
+    except Exception:  # noqa: BLE001 (a mapping that cannot be read: no such conversion known)
         return None
     return None
 

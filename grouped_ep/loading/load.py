@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model, unwrapped_name
 from grouped_ep._reshard import reshard_all
 from grouped_ep._signals import sigint_deferred
@@ -291,6 +292,8 @@ def load_sharded(
     refuse_unknown_names(model, key_map)
     key_map = with_wrapped_names(model, key_map)  # before unwrapping: `_orig_mod.` names too
     model = unwrapped_model(model)  # torch.compile's, DDP's wrapper: the model inside
+    if is_transformers_model(model):
+        require_transformers(LoadError, "load_sharded")
     check_flag(strict, "load_sharded: strict")
     check_flag(dequantize, "load_sharded: dequantize")
     check_flag(progress, "load_sharded: progress", none_ok=True)

@@ -56,14 +56,14 @@ def with_prefix_changes(
 def _prefix_changes(model: nn.Module) -> list:
     if not is_transformers_model(model):
         return []
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
 
+    try:
         with own_class_names(model):
             mapping = get_model_conversion_mapping(model, add_legacy=False)
         return [c for c in mapping if isinstance(c, PrefixChange)]
-    except Exception:  # noqa: BLE001 (an internal API that moved: no prefix change known)
+    except Exception:  # noqa: BLE001 (a mapping that cannot be read: no prefix change known)
         return []
 
 

@@ -1,8 +1,9 @@
-"""Checkpoints of other grouped_ep versions: the older checksum tables (zlib CRC-32, saves
-between 5fe8965 and 764c765) are checked, not taken for "no checksums"; a newer format than this
-code reads is refused; a save from before shared tensors were recorded warns where a split tie
-would show. The old layouts are rebuilt here from a current save, as those commits wrote them
-(a review compared them with checkpoints the old commits saved, 2026-11-26)."""
+"""Other versions: checkpoints of other grouped_ep versions (the older checksum tables, zlib
+CRC-32s of saves between 5fe8965 and 764c765, are checked, not taken for "no checksums"; a newer
+format than this code reads is refused; a save from before shared tensors were recorded warns
+where a split tie would show), and transformers releases older than 5.21, refused by name. The
+old checkpoint layouts are rebuilt here from a current save, as those commits wrote them (a
+review compared them with checkpoints the old commits saved, 2026-11-26)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,42 @@ def test_untracked_tie_warns_where_a_split_tie_would_show(tmp_path: Path) -> Non
         warnings.simplefilter("error")
         ck.load(tmp_path, retied, torch.optim.AdamW(retied.parameters(), lr=0.1))
     assert torch.equal(retied[1].weight, model[0].weight)
+
+
+def test_transformers_older_than_5_21_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+    """On transformers 5.7 to 5.20 (a review, 2026-11-26) a model with a prefix change was a bare
+    ImportError from inside the loader, and converters that merge tensors ran one tensor at a
+    time (a LoadError with self-contradicting shapes; a transformers ValueError from export_hf)."""
+    from _ckpt_helpers import meta_model, save_hf, tiny_qwen3_moe_config
+
+    from grouped_ep import LoadError, load_sharded
+    from grouped_ep.moe import ExpertLoadCounter
+
+    config = tiny_qwen3_moe_config(experts=4, layers=1)
+    path = save_hf(tmp_path / "hf", config)
+    model, built = meta_model(config), meta_model(config).to_empty(device="cpu")
+
+    def installed(version: str) -> None:  # building a model can replace the module object
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+
+    installed("5.20.2")
+    with pytest.raises(
+        LoadError, match=r"load_sharded: .* needs transformers >= 5\.21, and transformers 5\.20\.2"
+    ):
+        load_sharded(model, path)
+    assert model.lm_head.weight.is_meta  # untouched
+    with pytest.raises(ck.CheckpointError, match=r"export_hf: .* needs transformers >= 5\.21"):
+        ck.export_hf(built, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    installed("5.6.2")  # parallelize and the counter had blamed the model's experts class
+    with pytest.raises(ValueError, match=r"ExpertLoadCounter: .* needs transformers >= 5\.21"):
+        ExpertLoadCounter(built)
+    installed("5.21.0")
+    load_sharded(model, path)  # the version alone was the refusal
+    code = "import transformers; transformers.__version__ = '5.6.2'; import grouped_ep.hf"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert (
+        "ImportError: import grouped_ep.hf: grouped_ep's transformers integration needs "
+        in run.stderr
+    )
