@@ -93,8 +93,9 @@ def test_keep_last_after_a_rollback_keeps_the_run_going_on(tmp_path: Path) -> No
         ck.save(tmp_path, model, step=step)
     want = {210: [200, 210], 220: [210, 220], 230: [220, 230]}
     for step, kept in want.items():
-        with pytest.warns(UserWarning, match=rf"step-00000300 .* is above step-{step:08d}"):
+        with pytest.warns(UserWarning, match=rf"step-00000300 .* is above step-{step:08d}") as seen:
             ck.save(tmp_path, model, extra={"step": step}, keep_last=2)
+        assert seen[0].filename == __file__  # points at the call of save
         names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
         assert names == [f"step-{s:08d}" for s in [*kept, 300]], names
         assert ck.resolve(tmp_path).name == f"step-{step:08d}"

@@ -117,8 +117,11 @@ def test_committed_save_whose_pruning_fails_says_it_was_committed(tmp_path, monk
         raise PermissionError(errno.EACCES, "Permission denied", str(root / "step-00000001"))
 
     monkeypatch.setattr(dcp_module, "prune", denied)
-    with pytest.warns(UserWarning, match=r"step-00000002 is committed .* keep_last=1 failed"):
+    with pytest.warns(
+        UserWarning, match=r"step-00000002 is committed .* keep_last=1 failed"
+    ) as seen:
         path = ck.save(tmp_path, _model(2.0), step=2, keep_last=1)
+    assert seen[0].filename == __file__  # points at the call of save
     assert path == tmp_path / "step-00000002" and ck.resolve(tmp_path) == path
     with pytest.warns(UserWarning, match="is committed"):
         ck.save(tmp_path, _model(3.0), step=3, keep_last=1, async_save=True).result()

@@ -256,7 +256,7 @@ def save(
                 warnings.warn(
                     f"save: {final} is committed (`latest` names it), but removing older steps "
                     f"for keep_last={keep_last} failed: {e}",
-                    stacklevel=2,
+                    stacklevel=4,  # the caller of save (through on_rank0)
                 )
         return final
 

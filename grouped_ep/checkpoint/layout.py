@@ -193,7 +193,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
             f"{'is' if len(above) == 1 else 'are'} above {current}, which was just saved (a run "
             "resumed from an earlier step?): kept, and not counted among the last "
             f"{keep_last}; remove {'it' if len(above) == 1 else 'them'} by hand if abandoned",
-            stacklevel=3,
+            stacklevel=5,  # the caller of save (through commit and on_rank0)
         )
     removed = []
     for s in sorted(set(steps) - set(above))[:-keep_last]:
