@@ -34,11 +34,11 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         info = describe(resolve(args.dir))
         manifest = read_manifest(info.path)
-        check_format(info.path, manifest)
+        check_format(info.path, manifest, "inspect")
+        kind = checksum_kind(info.path, manifest)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    kind = checksum_kind(info.path, manifest)
     crc, name = kind is not None, checksum_name(kind)
     checked = crc and not args.no_verify and not info.problems
     save_id = manifest.get("save_id")

@@ -5,6 +5,7 @@ chunk and iovec limits, truncated files; and `load_sharded`'s default thread cou
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -95,7 +96,7 @@ def test_default_threads_shares_cores_with_local_ranks(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(128)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert default_threads() == 16
-    for bad in ("two", "0", "-2"):
+    for bad in ("two", "0", "-2", "1_0", " 2"):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
         with pytest.raises(
             ValueError, match=f"LOCAL_WORLD_SIZE must be an integer >= 1, got '{bad}'"
@@ -113,6 +114,11 @@ def test_default_threads_shares_cores_with_local_ranks(monkeypatch):
         ("GROUPED_EP_READER_LOOKAHEAD", "abc"),
         ("GROUPED_EP_READER_LOOKAHEAD", "-1"),
         ("GROUPED_EP_READER_LOOKAHEAD", "4x"),
+        ("GROUPED_EP_READER_LOOKAHEAD", " 4"),
+        ("GROUPED_EP_READER_LOOKAHEAD", "+4"),
+        ("GROUPED_EP_READER_LOOKAHEAD", "1025"),
+        ("GROUPED_EP_READER_HUGEPAGES", "1\n"),  # shown escaped: the message kept its first line
+        ("GROUPED_EP_READER_POPULATE", "0\r"),
     ],
 )
 def test_reader_environment_values_are_checked(tmp_path, monkeypatch, var, bad):
@@ -122,7 +128,8 @@ def test_reader_environment_values_are_checked(tmp_path, monkeypatch, var, bad):
     out = torch.empty(4096, dtype=torch.uint8)
     plan = torch.tensor([[0, 0, 0, 0, 4096]])
     monkeypatch.setenv(var, bad)
-    with pytest.raises(RuntimeError, match=f"{var}={bad} must be"):
+    shown = bad.replace("\n", "\\x0a").replace("\r", "\\x0d")
+    with pytest.raises(RuntimeError, match=re.escape(f"{var}='{shown}' must be")):
         torch.ops.grouped_ep.read_ranges([path], [out], plan, 1)
     for good in ("0", "1", ""):
         monkeypatch.setenv(var, good)

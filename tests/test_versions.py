@@ -79,6 +79,29 @@ def test_crc32_era_checkpoint_is_checked(tmp_path: Path) -> None:
     assert torch.equal(fresh[0].weight, _model(0.0)[0].weight)  # untouched
     bad = _inspect(tmp_path)
     assert bad.returncode == 1 and "do not match the CRC-32" in bad.stdout + bad.stderr
+    (step / "grouped_ep.json").unlink()  # tables without their manifest: refused, as CRC32C ones
+    with pytest.raises(
+        ck.CheckpointError, match=r"grouped_ep\.json is missing, but .*__0_crc32\.json"
+    ):
+        ck.load(tmp_path, fresh)
+    assert _inspect(tmp_path).returncode == 1
+
+
+@pytest.mark.parametrize("value", [["crc32c"], "sha256", 7])
+def test_unknown_checksums_value_is_refused_naming_the_manifest(tmp_path: Path, value) -> None:
+    """A list there was a bare TypeError (unhashable); an unknown name counted as no checksums."""
+    step = ck.save(tmp_path, _model(1.0), step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    manifest["checksums"] = value
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    fresh = _model(0.0)
+    with pytest.raises(
+        ck.CheckpointError, match=r'grouped_ep\.json: "checksums" is .* does not know'
+    ):
+        ck.load(tmp_path, fresh)
+    assert torch.equal(fresh[0].weight, _model(0.0)[0].weight)
+    bad = _inspect(tmp_path)
+    assert bad.returncode == 1 and '"checksums" is' in bad.stderr
 
 
 @pytest.mark.parametrize("fmt", [3, 99, "2", None])
@@ -97,7 +120,15 @@ def test_newer_or_unknown_format_is_refused(tmp_path: Path, fmt) -> None:
         ck.load(tmp_path, fresh)
     assert torch.equal(fresh[1].bias, _model(0.0)[1].bias)
     bad = _inspect(tmp_path)
-    assert bad.returncode == 1 and "reads formats 1 to 2" in bad.stderr
+    assert (
+        bad.returncode == 1
+        and "error: inspect: " in bad.stderr
+        and "reads formats 1 to 2" in bad.stderr
+    )
+    for data in step.glob("*.distcp"):  # a newer layout: the format is named, not the files
+        data.rename(data.with_suffix(".newer"))
+    with pytest.raises(ck.CheckpointError, match=r"checkpoint format .* reads formats 1 to 2"):
+        ck.load(tmp_path, fresh)
 
 
 def test_format_1_loads(tmp_path: Path) -> None:
@@ -170,8 +201,9 @@ def test_transformers_older_than_5_21_is_refused_by_name(tmp_path: Path, monkeyp
         ck.export_hf(built, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     installed("5.6.2")  # parallelize and the counter had blamed the model's experts class
-    with pytest.raises(ValueError, match=r"ExpertLoadCounter: .* needs transformers >= 5\.21"):
-        ExpertLoadCounter(built)
+    for wrapped in (built, torch.compile(built)):
+        with pytest.raises(ValueError, match=r"ExpertLoadCounter: .* needs transformers >= 5\.21"):
+            ExpertLoadCounter(wrapped)
     installed("5.21.0")
     load_sharded(model, path)  # the version alone was the refusal
     code = "import transformers; transformers.__version__ = '5.6.2'; import grouped_ep.hf"

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -68,23 +69,41 @@ constexpr size_t kLookahead = 0;
 // GROUPED_EP_READER_POPULATE=0 turns the populate-before-read step off (to measure it).
 // Each is 0 or 1 (unset or empty: the default); anything else is an error naming the variable
 // ("false" had turned huge pages on). Read on the calling thread, before any worker starts.
+// `v` in quotes, with control characters, quotes, backslashes and non-ASCII bytes as \xNN: an
+// error must show "1\n" as such (its first line, all a LoadError keeps, ended after the "1").
+std::string quoted(const char* v) {
+  std::string out = "'";
+  for (const char* p = v; *p; ++p) {
+    const auto c = static_cast<unsigned char>(*p);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += static_cast<char>(c);
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return out + "'";
+}
+
 bool env_flag(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   GE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0, "read_ranges: environment variable ", name,
-           "=", v, " must be 0 (off) or 1 (on); the default is ", fallback ? "1" : "0");
+           "=", quoted(v), " must be 0 (off) or 1 (on); the default is ", fallback ? "1" : "0");
   return std::strcmp(v, "1") == 0;
 }
 
-// GROUPED_EP_READER_LOOKAHEAD: a whole number of chunks, 0 to 1024 (unset or empty: kLookahead).
+// GROUPED_EP_READER_LOOKAHEAD: a whole number of chunks, 0 to 1024, in decimal digits only
+// (unset or empty: kLookahead).
 size_t env_lookahead() {
   const char* v = std::getenv("GROUPED_EP_READER_LOOKAHEAD");
   if (v == nullptr || *v == '\0') return kLookahead;
-  char* end = nullptr;
-  errno = 0;
-  const long n = std::strtol(v, &end, 10);
-  GE_CHECK(errno == 0 && *end == '\0' && n >= 0 && n <= 1024, "read_ranges: environment variable ",
-           "GROUPED_EP_READER_LOOKAHEAD=", v, " must be a whole number of chunks from 0 to 1024");
+  const size_t len = std::strlen(v);
+  const bool digits = len <= 4 && std::all_of(v, v + len, [](char c) { return c >= '0' && c <= '9'; });
+  const long n = digits ? std::strtol(v, nullptr, 10) : -1;
+  GE_CHECK(n >= 0 && n <= 1024, "read_ranges: environment variable GROUPED_EP_READER_LOOKAHEAD=", quoted(v),
+           " must be a whole number of chunks from 0 to 1024");
   return static_cast<size_t>(n);
 }
 

@@ -156,7 +156,7 @@ def read_manifest(ckpt: Path) -> dict:
     path = ckpt / MANIFEST_FILE
     try:
         present = path.is_file()
-        tables = [] if present else sorted(p.name for p in ckpt.glob(f"__*_{SUFFIX}"))
+        tables = [] if present else _tables(ckpt, FORMAT) + _tables(ckpt, LEGACY)
     except OSError as e:  # a step directory without permission to look inside
         raise CheckpointError(f"cannot read {path} ({e})") from e
     if not present:
@@ -175,13 +175,25 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
+def _tables(ckpt: Path, kind: str) -> list[str]:
+    """The names of the checksum tables of `kind` in `ckpt` (`__<rank>_<kind>.json`)."""
+    return sorted(p.name for p in ckpt.glob(f"__*_{kind}.json"))
+
+
 def checksum_kind(ckpt: Path, manifest: dict) -> str | None:
     """The checksums `ckpt` was saved with (`FORMAT`, or `LEGACY` for older saves), as its
-    manifest says or its tables show; None for a checkpoint saved without them."""
+    manifest says or its tables show; None for a checkpoint saved without them. A value this
+    code does not know is a CheckpointError (a newer save, or a damaged manifest)."""
     kind = manifest.get("checksums")
-    if kind in _NAMES:
+    if kind is not None:
+        if not (isinstance(kind, str) and kind in _NAMES):
+            raise CheckpointError(
+                f'{ckpt / MANIFEST_FILE}: "checksums" is {kind!r}, which this grouped_ep does not '
+                f"know ({', '.join(map(repr, _NAMES))}): the manifest is damaged, or a newer "
+                "grouped_ep saved it"
+            )
         return kind
-    return FORMAT if any(ckpt.glob(f"__*_{SUFFIX}")) else None
+    return next((k for k in _NAMES if _tables(ckpt, k)), None)
 
 
 def checksum_name(kind: str | None) -> str:

@@ -84,14 +84,15 @@ def refuse_split_ties(model: nn.Module, saved: list[list[str]]) -> None:
         )
 
 
-def check_format(ckpt: Path, manifest: dict) -> None:
-    """Refuse a checkpoint of a newer format than this code reads (none for plain DCP ones)."""
+def check_format(ckpt: Path, manifest: dict, who: str = "load") -> None:
+    """Refuse a checkpoint of a newer format than this code reads (none for plain DCP ones);
+    `who` names the caller in the message."""
     if not manifest:
         return
     fmt = manifest.get("format", 1)
     if not (isinstance(fmt, int) and not isinstance(fmt, bool) and 1 <= fmt <= FORMAT_VERSION):
         raise CheckpointError(
-            f"load: {ckpt / MANIFEST_FILE} says checkpoint format {fmt!r}; this grouped_ep reads "
+            f"{who}: {ckpt / MANIFEST_FILE} says checkpoint format {fmt!r}; this grouped_ep reads "
             f"formats 1 to {FORMAT_VERSION}: the checkpoint was saved by a newer grouped_ep, "
             "which is needed to load it"
         )

@@ -126,11 +126,12 @@ def _load(
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
     def check() -> tuple[dict[str, Any], list, str | None]:
+        manifest = read_manifest(ckpt)  # a newer format first: its files may differ from ours
+        check_format(ckpt, manifest)
+        kind = checksum_kind(ckpt, manifest)
         info = describe(ckpt)
         described.append(info)
         info.raise_if_invalid()
-        manifest = read_manifest(ckpt)
-        check_format(ckpt, manifest)
         refuse_split_ties(model, manifest.get("tied", []))
         if optimizer is not None and manifest.get("has_optimizer") is False:
             raise CheckpointError(f"load: checkpoint {ckpt} was saved without optimizer state")
@@ -138,7 +139,7 @@ def _load(
         warn_untracked_ties(ckpt, manifest, stateless)
         check_fits(info, without(current, stateless))  # rank 0's model; the others' below
         refuse_unexpected(info, current)
-        return manifest, stateless, checksum_kind(ckpt, manifest)
+        return manifest, stateless, kind
 
     manifest, stateless, kind = on_rank0(check)
     current = without(current, stateless)  # these parameters resume with no optimizer state

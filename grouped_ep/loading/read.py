@@ -24,10 +24,7 @@ def default_threads() -> int:
     of the page cache, bound by the cores; cold reads keep the disk busy through large reads
     and the kernel's read-ahead (csrc/io/reader.cpp), not through more threads."""
     raw = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
-    try:
-        local_ranks = int(raw)
-    except ValueError:
-        local_ranks = 0
+    local_ranks = int(raw) if raw.isascii() and raw.isdigit() else 0  # not "1_0", " 2", "+2"
     if local_ranks < 1:
         raise ValueError(f"load_sharded: LOCAL_WORLD_SIZE must be an integer >= 1, got {raw!r}")
     return max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))

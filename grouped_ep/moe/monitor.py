@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from grouped_ep._hf_version import require_transformers
+from grouped_ep._names import unwrapped_model
 from grouped_ep.loading.converted import is_transformers_model
 from grouped_ep.moe.balance import join_reduce_split, stack_if_equal
 from grouped_ep.moe.layers import in_backward
@@ -82,7 +83,9 @@ class ExpertLoadCounter:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if is_transformers_model(model):  # before 5.7 no experts class looks like one
+        if is_transformers_model(
+            unwrapped_model(model)
+        ):  # before 5.7 no experts class looks like one
             require_transformers(ValueError, "ExpertLoadCounter")
         modules = _hf_experts_modules(model)
         if not modules:
