@@ -34,6 +34,24 @@ def _inspect(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cli, capture_output=True, text=True, timeout=120)
 
 
+def _saved_with(root: Path, model: nn.Module, **manifest_changes) -> Path:
+    """A save of `model` into `root` whose manifest then gets `manifest_changes`."""
+    step = ck.save(root, model, step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    assert manifest["format"] == 2
+    (step / "grouped_ep.json").write_text(json.dumps(manifest | manifest_changes))
+    return step
+
+
+def _refused(root: Path, pattern: str) -> None:
+    """`load` from `root` raises a CheckpointError matching `pattern`, the model untouched."""
+    fresh = _model(0.0)
+    with pytest.raises(ck.CheckpointError, match=pattern):
+        ck.load(root, fresh)
+    for a, b in zip(fresh.parameters(), _model(0.0).parameters()):
+        assert torch.equal(a, b)
+
+
 def _as_crc32_era(step: Path) -> None:
     """Rewrite a current save's step as saves between 5fe8965 and 764c765 wrote it: manifest format
     1 with `"checksums": "crc32"` and no save id or "tied"; `__<r>_crc32.json` tables of zlib
@@ -73,33 +91,19 @@ def test_crc32_era_checkpoint_is_checked(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
-    fresh = _model(0.0)
-    with pytest.raises(ck.CheckpointError, match=r"'model\.0\.weight'.* do not match the CRC-32"):
-        ck.load(tmp_path, fresh)
-    assert torch.equal(fresh[0].weight, _model(0.0)[0].weight)  # untouched
+    _refused(tmp_path, r"'model\.0\.weight'.* do not match the CRC-32")
     bad = _inspect(tmp_path)
     assert bad.returncode == 1 and "do not match the CRC-32" in bad.stdout + bad.stderr
     (step / "grouped_ep.json").unlink()  # tables without their manifest: refused, as CRC32C ones
-    with pytest.raises(
-        ck.CheckpointError, match=r"grouped_ep\.json is missing, but .*__0_crc32\.json"
-    ):
-        ck.load(tmp_path, fresh)
+    _refused(tmp_path, r"grouped_ep\.json is missing, but .*__0_crc32\.json")
     assert _inspect(tmp_path).returncode == 1
 
 
 @pytest.mark.parametrize("value", [["crc32c"], "sha256", 7])
 def test_unknown_checksums_value_is_refused_naming_the_manifest(tmp_path: Path, value) -> None:
     """A list there was a bare TypeError (unhashable); an unknown name counted as no checksums."""
-    step = ck.save(tmp_path, _model(1.0), step=1)
-    manifest = json.loads((step / "grouped_ep.json").read_text())
-    manifest["checksums"] = value
-    (step / "grouped_ep.json").write_text(json.dumps(manifest))
-    fresh = _model(0.0)
-    with pytest.raises(
-        ck.CheckpointError, match=r'grouped_ep\.json: "checksums" is .* does not know'
-    ):
-        ck.load(tmp_path, fresh)
-    assert torch.equal(fresh[0].weight, _model(0.0)[0].weight)
+    _saved_with(tmp_path, _model(1.0), checksums=value)
+    _refused(tmp_path, r'grouped_ep\.json: "checksums" is .* does not know')
     bad = _inspect(tmp_path)
     assert bad.returncode == 1 and '"checksums" is' in bad.stderr
 
@@ -108,17 +112,8 @@ def test_unknown_checksums_value_is_refused_naming_the_manifest(tmp_path: Path, 
 def test_newer_or_unknown_format_is_refused(tmp_path: Path, fmt) -> None:
     """The manifest's format was written but never read: a checkpoint of a newer grouped_ep,
     whatever it had changed, loaded as if this code understood it."""
-    step = ck.save(tmp_path, _model(1.0), step=1)
-    manifest = json.loads((step / "grouped_ep.json").read_text())
-    assert manifest["format"] == 2
-    manifest["format"] = fmt
-    (step / "grouped_ep.json").write_text(json.dumps(manifest))
-    fresh = _model(0.0)
-    with pytest.raises(
-        ck.CheckpointError, match=rf"checkpoint format {fmt!r}.* reads formats 1 to 2"
-    ):
-        ck.load(tmp_path, fresh)
-    assert torch.equal(fresh[1].bias, _model(0.0)[1].bias)
+    step = _saved_with(tmp_path, _model(1.0), format=fmt)
+    _refused(tmp_path, rf"checkpoint format {fmt!r}.* reads formats 1 to 2")
     bad = _inspect(tmp_path)
     assert (
         bad.returncode == 1
@@ -127,16 +122,12 @@ def test_newer_or_unknown_format_is_refused(tmp_path: Path, fmt) -> None:
     )
     for data in step.glob("*.distcp"):  # a newer layout: the format is named, not the files
         data.rename(data.with_suffix(".newer"))
-    with pytest.raises(ck.CheckpointError, match=r"checkpoint format .* reads formats 1 to 2"):
-        ck.load(tmp_path, fresh)
+    _refused(tmp_path, r"checkpoint format .* reads formats 1 to 2")
 
 
 def test_format_1_loads(tmp_path: Path) -> None:
     saved = _model(2.0)
-    step = ck.save(tmp_path, saved, step=1)
-    manifest = json.loads((step / "grouped_ep.json").read_text())
-    manifest["format"] = 1
-    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    _saved_with(tmp_path, saved, format=1)
     fresh = _model(0.0)
     ck.load(tmp_path, fresh)
     assert torch.equal(fresh[0].weight, saved[0].weight)
