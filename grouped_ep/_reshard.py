@@ -3,6 +3,7 @@ of the gather, not the sharded DTensors, in `model.parameters()` and `state_dict
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,18 +30,39 @@ def reshard_all(model: nn.Module) -> None:
         module.reshard()
 
 
+def _needs_grad(output: Any) -> bool:
+    """Whether any tensor in a forward's `output` (tensors, lists, tuples, dicts, transformers'
+    ModelOutput) requires grad: a backward through it can follow."""
+    from torch.utils._pytree import tree_leaves
+
+    stack = list(tree_leaves(output))
+    while stack:
+        leaf = stack.pop()
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                return True
+        elif isinstance(leaf, Mapping):  # a dict subclass pytree does not know
+            stack.extend(leaf.values())
+        elif isinstance(leaf, (list, tuple)):
+            stack.extend(leaf)
+    return False
+
+
 def reshard_after_gradless_forward(root: nn.Module) -> None:
     """A forward hook on the root FSDP module: after a forward no backward can follow (under
-    `torch.no_grad()` or inference mode: an evaluation, `generate()`), every unit is sharded
+    `torch.no_grad()` or inference mode: an evaluation, `generate()`; or with gradients on,
+    but no output requiring grad: a frozen model, a frozen teacher), every unit is sharded
     again. The root and the last blocks stay gathered after a forward for the backward that
     follows it in training; after an evaluation, an optimizer built from `model.parameters()`
     held their gathered tensors, which no step reached (a review: 9 of 25 parameters unchanged
-    by training), and `checkpoint.save` with it crashed in torch's optimizer-state init."""
+    by training), and `checkpoint.save` with it crashed in torch's optimizer-state init. After
+    a grad-enabled forward of a frozen model, parameters unfrozen next were the gathered
+    copies: the sharded ones never trained (a review, 2026-11-26: a router left unchanged)."""
 
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():  # the forward finished: its units are idle
+        if not torch.is_grad_enabled() or not _needs_grad(output):  # its units are idle
             for unit in units:
                 unit.reshard()
 

@@ -584,3 +584,33 @@ def test_optimizer_built_after_an_evaluation_trains_every_parameter(tmp_path):
         assert unchanged == 0
         assert plain == 0  # save resharded what the grad-enabled forward left gathered
         assert "optimizer holds tensors that are not the model's parameters" in message
+
+
+def _frozen_forward_rank(rank: int, world: int) -> tuple[int, int, int]:
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    model = fully_shard_moe(make_model(4), make_mesh(1, world))
+    ids = batches(world, 1)[0][rank]
+    model.requires_grad_(False)
+    model(ids)  # gradients on, nothing to backward through: a frozen model's forward
+    plain = sum(not isinstance(p, DTensor) for p in model.parameters())
+    routers = [p for n, p in model.named_parameters() if "router" in n]
+    for p in routers:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(routers, lr=1e-2)
+    before = [p.full_tensor().clone() for p in routers]
+    lm_loss(model, ids).backward()
+    opt.step()
+    unchanged = sum(torch.equal(b, p.full_tensor()) for b, p in zip(before, routers))
+    return plain, unchanged, len(routers)
+
+
+def test_parameters_unfrozen_after_a_frozen_forward_train(tmp_path):
+    """A grad-enabled forward of a frozen model (a baseline loss before unfreezing, a frozen
+    teacher) left the root and the last block gathered: the routers unfrozen next were their
+    gathered copies, and the last block's router never trained, silently (a review)."""
+    for plain, unchanged, routers in run_ranks(_frozen_forward_rank, 2, timeout=TIMEOUT):
+        assert plain == 0 and routers >= 2
+        assert unchanged == 0
