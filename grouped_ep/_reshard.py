@@ -59,11 +59,12 @@ def reshard_after_gradless_forward(root: nn.Module) -> None:
     a grad-enabled forward of a frozen model, parameters unfrozen next were the gathered
     copies: the sharded ones never trained (a review, 2026-11-26: a router left unchanged)."""
 
-    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-
     def post(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or not _needs_grad(output):  # its units are idle
-            for unit in units:
-                unit.reshard()
+            # Found now, not when wrapped: a unit the user adds later (a value head sharded
+            # with reshard_after_forward=False) stayed gathered and never trained (a review).
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
 
     root.register_forward_hook(post)

@@ -33,22 +33,37 @@ def _mesh_dims(t: DTensor) -> tuple:
     return mesh.mesh_dim_names or tuple(range(mesh.ndim))
 
 
-def _check_placements(op: str, name: str, t: DTensor, allowed: str) -> None:
-    """Raise unless every placement of `t` is Shard(0) or Replicate()."""
+def _check_placements(op: str, name: str, t: DTensor, allowed: str | None) -> None:
+    """Raise unless every placement of `t` is Shard(0) (where `allowed` says what a shard
+    holds; None: offsets, which a shard cannot hold) or Replicate()."""
     for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0):
-            continue
+            if allowed or isinstance(p, Replicate) or t.device_mesh.size(mesh_dim) == 1:
+                continue
+        where = f"on mesh dim {mesh_dim} ({_mesh_dims(t)[mesh_dim]!r}) of {tuple(t.placements)}"
+        if allowed is None:
+            raise ValueError(
+                f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} {where}; {name} "
+                "holds this rank's cumulative row offsets for its own experts, which a slice of "
+                "global offsets is not (they count from other ranks' rows). Pass a plain tensor "
+                "of this rank's offsets, or a Replicate() DTensor of them."
+            )
         raise ValueError(
-            f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} on mesh dim {mesh_dim} "
-            f"({_mesh_dims(t)[mesh_dim]!r}) of {tuple(t.placements)}; only Shard(0) ({allowed}) "
-            "or Replicate() can be computed on the local shard. Gather other shardings first "
-            "(FSDP does this in forward)."
+            f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} {where}; only Shard(0) "
+            f"({allowed}) or Replicate() can be computed on the local shard. Gather other "
+            "shardings first (FSDP does this in forward)."
         )
 
 
-def _local(op: str, name: str, t: Tensor, allowed: str) -> Tensor:
+def _local(op: str, name: str, t: Tensor, allowed: str | None) -> Tensor:
     if not isinstance(t, DTensor):
         return t
+    if t.device_mesh.get_coordinate() is None:
+        raise ValueError(
+            f"grouped_ep.{op}: {name} is a DTensor on {t.device_mesh}, which does not include "
+            f"this rank ({torch.distributed.get_rank()}): it holds no part of {name} here. Call "
+            "the op on the ranks of the argument's mesh only."
+        )
     _check_placements(op, name, t, allowed)
     return t._local_tensor
 
@@ -139,7 +154,7 @@ def _gemm_dtensor(mode, func, types, args, kwargs=None):
     out = func(
         _local("gemm", "x", x, "rows split across ranks"),
         _local("gemm", "w", w, "experts split across ranks"),
-        _local("gemm", "offs", offs, "this rank's offsets"),
+        _local("gemm", "offs", offs, None),
         trans_w,
     )
     return _wrap_rows(out, x) if isinstance(x, DTensor) else out
@@ -157,7 +172,7 @@ def _gemm_wgrad_dtensor(mode, func, types, args, kwargs=None):
     out = func(
         _local("gemm_wgrad", "x", x, "rows split across ranks"),
         _local("gemm_wgrad", "dy", dy, "rows split across ranks"),
-        _local("gemm_wgrad", "offs", offs, "this rank's offsets"),
+        _local("gemm_wgrad", "offs", offs, None),
         trans_w,
     )
     rows = x if isinstance(x, DTensor) else dy if isinstance(dy, DTensor) else None

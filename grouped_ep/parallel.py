@@ -320,7 +320,9 @@ def fully_shard_moe(
     parameter is a DTensor. Returns `model` (now an FSDPModule).
 
     `reshard_after_forward` as `fully_shard` takes it; an int must divide both FSDP group sizes
-    here, `dp` (the experts) and `dp * ep` (the rest), else it is a ValueError.
+    here, `dp` (the experts) and `dp * ep` (the rest), else it is a ValueError. The experts'
+    units take an int between 1 and `dp` as True (FSDP2 cannot reshard their DTensor weights
+    to a smaller mesh).
     """
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
@@ -351,7 +353,7 @@ def fully_shard_moe(
             module,
             mesh=dp_mesh,
             shard_placement_fn=_expert_placement(module.num_experts // ep, dp),
-            **_single_rank_reduce(module, dp, kwargs),
+            **_experts_reshard(_single_rank_reduce(module, dp, kwargs), dp),
         )
         module.set_gradient_divide_factor(float(dp * ep))
         # torch 2.14 divides twice when the FSDP group has one rank and sums are forced
@@ -402,6 +404,17 @@ def _expert_placement(local: int, dp: int):
         return Shard(1)
 
     return placement
+
+
+def _experts_reshard(kwargs: dict, dp: int) -> dict:
+    """`kwargs` with the experts' `reshard_after_forward`: an int between 1 and `dp` becomes
+    True there. The experts' weights are DTensors already (Shard(0) on "ep"), and FSDP2 cannot
+    reshard a DTensor parameter to a smaller mesh: such an int passed the check above, then the
+    first forward raised torch's NotImplementedError, naming neither (a review)."""
+    n = kwargs["reshard_after_forward"]
+    if isinstance(n, bool) or n in (1, dp):
+        return kwargs
+    return {**kwargs, "reshard_after_forward": True}
 
 
 def _single_rank_reduce(module: nn.Module, dp: int, kwargs: dict) -> dict:

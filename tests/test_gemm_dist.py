@@ -129,6 +129,17 @@ def _errors_and_dtensor_tokens(rank: int, world: int):
             torch.ops.grouped_ep.gemm(*args, False)
         except ValueError as e:
             errors.append(str(e))
+    # offs sharded like the weight: a slice of global offsets is not this rank's offsets (it
+    # was taken as them, silently: wrong rows on rank 1). A weight on a mesh without this rank.
+    global_offs = torch.arange(1, 2 * world + 1, dtype=torch.int32)
+    solo = torch.distributed.device_mesh.DeviceMesh("cpu", [0], mesh_dim_names=("solo",))
+    w_solo = DTensor.from_local(w if rank == 0 else w[:0], solo, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())  # fmt: skip
+    for args in ((x, distribute_tensor(w, mesh, [Shard(0)]), distribute_tensor(global_offs, mesh, [Shard(0)])), (x, w_solo, offs)):  # fmt: skip
+        try:
+            torch.ops.grouped_ep.gemm(*args, False)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
     # Tokens as a DTensor Shard(0): its local rows are this rank's; the output keeps its spec.
     x_dt = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
     out = torch.ops.grouped_ep.gemm(x_dt, w, offs, False)
@@ -146,10 +157,18 @@ def _errors_and_dtensor_tokens(rank: int, world: int):
 
 
 def test_bad_placements_name_argument_placement_and_mesh_dim():
-    for errors in run_ranks(_errors_and_dtensor_tokens, 2, timeout=120):
-        assert len(errors) == 2
+    for rank, errors in enumerate(run_ranks(_errors_and_dtensor_tokens, 2, timeout=120)):
+        assert len(errors) == 4
         assert "w is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[0]
         assert "x is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[1]
+        assert "offs is a DTensor with placement Shard(dim=0) on mesh dim 0 ('ep')" in errors[2]
+        assert "Replicate() DTensor" in errors[2]
+        if rank == 0:
+            assert errors[3] == ""  # rank 0 is the weight's mesh: it computes
+        else:
+            assert (
+                "w is a DTensor on" in errors[3] and "does not include this rank (1)" in errors[3]
+            )
 
 
 def _compiled(rank: int, world: int):

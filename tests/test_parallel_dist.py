@@ -98,7 +98,14 @@ def train_reference(
 
 
 def _train_rank(
-    rank: int, world: int, dp: int, ep: int, configs: list[int], steps: int, clip: float | None
+    rank: int,
+    world: int,
+    dp: int,
+    ep: int,
+    configs: list[int],
+    steps: int,
+    clip: float | None,
+    reshard: bool | int = True,
 ):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -109,7 +116,9 @@ def _train_rank(
     out = {}
     for config in configs:
         num_experts, hidden = (config, 16) if isinstance(config, int) else config
-        model = fully_shard_moe(make_model(num_experts, hidden), mesh)
+        model = fully_shard_moe(
+            make_model(num_experts, hidden), mesh, reshard_after_forward=reshard
+        )
         params = dict(model.named_parameters())
         not_dtensor = [n for n, p in params.items() if not isinstance(p, DTensor)]
         assert not not_dtensor, f"plain tensors after fully_shard_moe: {not_dtensor}"
@@ -142,8 +151,14 @@ def _train_rank(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dp,ep,configs,clip",
-    [(1, 2, [4], None), (2, 2, [4, 2], None), (1, 2, [4], 0.5), (2, 1, [(3, 13)], None)],
+    "dp,ep,configs,clip,reshard",
+    [
+        (1, 2, [4], None, True),
+        (2, 2, [4, 2], None, True),
+        (1, 2, [4], 0.5, True),
+        (2, 1, [(3, 13)], None, True),
+        (4, 1, [4], None, 2),
+    ],
     ids=[
         "world2_dp1_ep2",
         "world4_dp2_ep2_experts4_and_2",
@@ -151,11 +166,14 @@ def _train_rank(
         # 3 experts over dp 2: FSDP on dim 1, except down_proj [3, 13, 24], whose dim 1 is odd
         # (torch's NotImplementedError "uneven sharding on dim 1" mid-way, before): dim 0.
         "world2_dp2_experts3_hidden13",
+        # An int between 1 and dp: the experts' DTensor weights cannot be resharded to a smaller
+        # mesh (torch's NotImplementedError at the first forward, before); they take True.
+        "world4_dp4_reshard_after_forward_2",
     ],
 )
-def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip):
+def test_fsdp_ep_training_matches_single_process(dp, ep, configs, clip, reshard):
     steps, world = 10, dp * ep
-    got = run_ranks(_train_rank, world, dp, ep, configs, steps, clip, timeout=TIMEOUT)[0]
+    got = run_ranks(_train_rank, world, dp, ep, configs, steps, clip, reshard, timeout=TIMEOUT)[0]
     for config in configs:
         num_experts, hidden = (config, 16) if isinstance(config, int) else config
         losses, grads, state, placements = got[config]
@@ -614,3 +632,59 @@ def test_parameters_unfrozen_after_a_frozen_forward_train(tmp_path):
     for plain, unchanged, routers in run_ranks(_frozen_forward_rank, 2, timeout=TIMEOUT):
         assert plain == 0 and routers >= 2
         assert unchanged == 0
+
+
+def _optimizer_before_load_rank(rank: int, world: int, path: str) -> tuple[int, int, bool]:
+    from grouped_ep import load_sharded
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    with torch.device("meta"):
+        model = TinyMoELM(num_experts=4)
+    fully_shard_moe(model, make_mesh(1, world))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # FSDP2's order: right after wrapping
+    held = [p for group in opt.param_groups for p in group["params"]]
+    load_sharded(model, path, device="cpu")
+    same = all(a is b for a, b in zip(held, model.parameters()))
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    lm_loss(model, batches(world, 1)[0][rank]).backward()
+    opt.step()
+    unchanged = sum(torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
+    return unchanged, len(before), same
+
+
+def test_optimizer_built_before_load_sharded_trains_every_parameter(tmp_path):
+    """load_sharded into a meta model put new tensors into the model's slots: an optimizer built
+    right after fully_shard (FSDP2's order) held the meta ones and trained nothing, silently (a
+    review: losses flat, 0 of 36 parameters changed). Now the loaded data is swapped into the
+    same objects, as Module.to_empty does."""
+    from safetensors.torch import save_file
+
+    save_file(make_model(4).state_dict(), str(tmp_path / "model.safetensors"))
+    for unchanged, total, same in run_ranks(
+        _optimizer_before_load_rank, 2, str(tmp_path), timeout=TIMEOUT
+    ):
+        assert same and total >= 10
+        assert unchanged == 0
+
+
+def _unit_added_after_wrapping_rank(rank: int, world: int) -> int:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from grouped_ep.parallel import dense_mesh, fully_shard_moe, make_mesh
+
+    mesh = make_mesh(1, world)
+    model = fully_shard_moe(make_model(4), mesh)
+    model.head = nn.Linear(16, 32, bias=False)  # a new head, sharded by hand, kept gathered
+    fully_shard(model.head, mesh=dense_mesh(mesh), reshard_after_forward=False)
+    with torch.no_grad():
+        model(batches(world, 1)[0][rank])
+    return sum(not isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_unit_added_after_wrapping_is_resharded_after_an_evaluation():
+    """The units to shard again after a gradless forward were listed when the model was
+    wrapped: one added later (a new head with reshard_after_forward=False) stayed gathered,
+    and an optimizer built then never trained it (a review)."""
+    for plain in run_ranks(_unit_added_after_wrapping_rank, 2, timeout=TIMEOUT):
+        assert plain == 0

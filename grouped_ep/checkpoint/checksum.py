@@ -277,7 +277,7 @@ def verify_share(
     the checksums saved with them; [] when they match. Every chunk `.metadata` places in such a
     file must have its checksum; with `save_id` (the manifest's), every table must carry it.
     Call only for a checkpoint saved with checksums, of `checksum_kind`'s `kind`."""
-    crc_of, crc_name = (crc32c, "CRC32C") if kind == FORMAT else (_zlib_crc32, _NAMES[kind])
+    crc_of, crc_name = crc32c if kind == FORMAT else _zlib_crc32, checksum_name(kind)
     chunks: dict[str, list[tuple[int, int, str]]] = {}
     for key, t in info.tensors.items():
         for c in t.chunks:

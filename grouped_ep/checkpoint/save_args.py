@@ -54,6 +54,19 @@ def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> 
         for i, p in enumerate(group["params"])
         if id(p) not in params
     ]
+    on_meta = [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) not in params and p.is_meta
+    ]
+    if on_meta:
+        raise CheckpointError(
+            f"{caller}: the optimizer holds {len(on_meta)} meta tensors that are not the model's "
+            "parameters: it was built before the model was materialized, and the materializing "
+            "step replaced the parameters (a load_sharded that warned it could not keep their "
+            "identity, or a by-hand swap). Build the optimizer from model.parameters() after that"
+        )
     if foreign:
         raise CheckpointError(
             f"{caller}: the optimizer holds tensors that are not the model's parameters: "

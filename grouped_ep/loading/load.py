@@ -197,13 +197,18 @@ def _targets(model: nn.Module) -> list[Target]:
     return list(by_id.values())
 
 
-def _swap(target: Target) -> None:
-    """Put `target.fresh` into the model (no failure is possible past planning)."""
+def _swap(target: Target) -> bool:
+    """Put `target.fresh` into the model (no failure is possible past planning). A meta tensor
+    keeps its identity, as `Module.to_empty` keeps it: the loaded data is swapped into the same
+    Python object, so an optimizer built before the load (FSDP2's order: right after
+    `fully_shard`), FSDP's own records and the caller's references all see it. Where torch
+    cannot swap (a weak reference to the tensor, a tensor subclass of other slots, another
+    holder of its data), the model's slots get a new tensor instead; returns False then."""
     t = target.tensor
     if not t.is_meta:
         with torch.no_grad():
             local_tensor(t).copy_(target.fresh)
-        return
+        return True
     new = target.fresh
     if isinstance(t, DTensor):
         new = DTensor.from_local(
@@ -211,8 +216,14 @@ def _swap(target: Target) -> None:
         )
     if target.is_param:
         new = nn.Parameter(new, requires_grad=t.requires_grad)
-    for module, attr in target.slots:
-        (module._parameters if target.is_param else module._buffers)[attr] = new
+    new.__dict__.update(t.__dict__)  # attributes others set on it (transformers' markers)
+    try:
+        torch.utils.swap_tensors(t, new)  # checks everything before it changes anything
+        return True
+    except RuntimeError:
+        for module, attr in target.slots:
+            (module._parameters if target.is_param else module._buffers)[attr] = new
+        return False
 
 
 def default_device(model: nn.Module) -> torch.device:
@@ -415,11 +426,21 @@ def load_sharded(
         bar.close()
     todo += quantized
     with sigint_deferred():  # all of the model, or (before this) none of it
+        replaced = [target.names[0] for target in todo if not _swap(target)]
         for target in todo:
-            _swap(target)
             target.fresh = None
         for module, name, value in buffers:
             module._buffers[name] = value
+    if replaced:
+        warnings.warn(
+            f"load_sharded: {', '.join(replaced[:3])}{', ...' if len(replaced) > 3 else ''} "
+            f"({len(replaced)} tensors) could not keep their identity (torch.utils."
+            "swap_tensors refused: a weak reference to them, or another holder of their data), "
+            "so the model now holds new tensors for them: an optimizer or other references taken "
+            "before this load still see the old meta tensors. Build the optimizer after "
+            "load_sharded.",
+            stacklevel=2,
+        )
     for module in model.modules():  # tokens counted by forwards before the load belong to
         if isinstance(module, MoE):  # no step of the loaded run
             module.take_load_counts()
