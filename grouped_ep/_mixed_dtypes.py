@@ -67,16 +67,12 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
                 continue
             own = {p.dtype for p in child.parameters(recurse=False)}
             if len(own) > 1:
-                listed = ", ".join(
-                    f"{path}{n} ({p.dtype})" for n, p in child.named_parameters(recurse=False)
-                )
-                raise ValueError(
-                    f"FSDP2 needs the parameters of one unit in one dtype, and {path.rstrip('.')} "
-                    f"holds several itself ({listed}). Load the model in fp32 and pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-                    "reduce_dtype=torch.float32) (fp32 master weights, bf16 compute), or give "
-                    "these parameters one dtype before sharding"
-                )
+                _refuse_mixed(child, path)
+            if not own and type(child).forward is nn.Module.forward:
+                # A container without a forward (peft's lora_A ModuleDict of fp32 adapters in a
+                # bf16 model): fully_shard refuses it; its children become units instead.
+                isolate(child, path, keep)
+                continue
             # The child's unit takes its own parameters' dtype, or else its most common one.
             child_keep = next(iter(own)) if own else child_counts.most_common(1)[0][0]
             isolate(child, path, child_keep)
@@ -88,6 +84,25 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
     isolate(unit, f"{name}." if name else "", main)
     if split:
         unit.register_forward_pre_hook(_gather(split))
+
+
+def _refuse_mixed(module: nn.Module, path: str) -> None:
+    listed = ", ".join(f"{path}{n} ({p.dtype})" for n, p in module.named_parameters(recurse=False))
+    raise ValueError(
+        f"FSDP2 needs the parameters of one unit in one dtype, and {path.rstrip('.') or 'the model'} "
+        f"holds several itself ({listed}). Load the model in fp32 and pass "
+        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32) (fp32 master weights, bf16 compute), or give "
+        "these parameters one dtype before sharding"
+    )
+
+
+def check_dtypes(model: nn.Module) -> None:
+    """Before anything is sharded: the ValueError `split_dtypes` would raise part-way, for a
+    module that holds parameters of two dtypes itself."""
+    for name, module in model.named_modules():
+        if len({p.dtype for p in module.parameters(recurse=False)}) > 1:
+            _refuse_mixed(module, f"{name}." if name else "")
 
 
 def _gather(split: list[nn.Module]):

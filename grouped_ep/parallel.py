@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from grouped_ep._clip_grad import clip_grad_norm_
 from grouped_ep._inference_mode import guard_first_forward
-from grouped_ep._mixed_dtypes import split_dtypes
+from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
 from grouped_ep._reshard import reshard_after_gradless_forward
+from grouped_ep._save_pretrained import guard_save_pretrained
 from grouped_ep._validate import is_int
 from grouped_ep.moe import GroupedExperts
 
@@ -136,10 +137,21 @@ def check_shardable(
     an experts module itself that is not stacked over its experts."""
     ep = ep_mesh.size()
     found = []
+    modules = dict(model.named_modules())
     for prefix, module in model.named_modules():
         if not is_experts_module(module):
             continue
         where = prefix or "model"
+        parent, _, attr = prefix.rpartition(".")
+        wrapper = modules.get(parent) if attr == "base_layer" else None
+        if wrapper is not None and hasattr(wrapper, "lora_A"):
+            raise NotImplementedError(
+                f"{caller}: {where} is wrapped by {type(wrapper).__name__} at {parent} (peft's "
+                "LoRA on the expert weights, target_parameters): its adapter spans every expert "
+                "as plain tensors, which cannot compute with EP-sharded expert weights (the "
+                "first forward failed inside peft). Put LoRA on other modules, or merge it "
+                "(merge_and_unload) before sharding"
+            )
         if module.num_experts % ep != 0:
             raise ValueError(
                 f"{caller}: {where} has num_experts={module.num_experts}, "
@@ -154,6 +166,8 @@ def check_shardable(
         if with_fsdp:
             _refuse_shared_direct_params(module, where, caller)
         found.append(module)
+    if with_fsdp:
+        check_dtypes(model)  # one dtype per module, else a refusal part-way through sharding
     return found
 
 
@@ -216,6 +230,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             f"apply_expert_parallel: {type(model).__name__} has no experts module "
             "(GroupedExperts or a module with num_experts, gate_up_proj and down_proj)"
         )
+    guard_save_pretrained(model)  # transformers' save_pretrained cannot write DTensors
     return model
 
 
@@ -353,7 +368,7 @@ def fully_shard_moe(
             module,
             mesh=dp_mesh,
             shard_placement_fn=_expert_placement(module.num_experts // ep, dp),
-            **_experts_reshard(_single_rank_reduce(module, dp, kwargs), dp),
+            **_experts_reshard(_single_rank_reduce(dp, kwargs), dp),
         )
         module.set_gradient_divide_factor(float(dp * ep))
         # torch 2.14 divides twice when the FSDP group has one rank and sums are forced
@@ -372,6 +387,7 @@ def fully_shard_moe(
     fully_shard(model, mesh=flat_mesh, **kwargs)
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
     reshard_after_gradless_forward(model)  # else an optimizer built next holds gathered tensors
+    guard_save_pretrained(model)
     return model
 
 
@@ -417,14 +433,14 @@ def _experts_reshard(kwargs: dict, dp: int) -> dict:
     return {**kwargs, "reshard_after_forward": True}
 
 
-def _single_rank_reduce(module: nn.Module, dp: int, kwargs: dict) -> dict:
+def _single_rank_reduce(dp: int, kwargs: dict) -> dict:
     """`kwargs` for the experts' FSDP group. With one rank there (dp = 1) and an fp16 reduction,
     torch 2.14 divides the gradient by the divide factor twice (its fp16 pre/post-divide split,
     then the single-rank copy): the experts' gradients came back / (dp * ep)**2. Reducing in
-    fp32 there avoids that split and costs nothing (one rank: a local copy)."""
-    policy = kwargs["mp_policy"]
-    dtype = next(module.parameters()).dtype
-    reduce = policy.reduce_dtype or policy.param_dtype or dtype
-    if dp > 1 or reduce != torch.float16:
+    fp32 there avoids that split and costs nothing (one rank: a local copy). Always at dp = 1,
+    whatever the dtype now: a model cast to fp16 after wrapping (`model.half()`) reduced in
+    fp16 again, and every expert gradient was 1/ep of the right value, silently (a review)."""
+    if dp > 1:
         return kwargs
+    policy = kwargs["mp_policy"]
     return {**kwargs, "mp_policy": dataclasses.replace(policy, reduce_dtype=torch.float32)}

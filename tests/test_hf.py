@@ -4,6 +4,7 @@ on tiny Qwen3-MoE and Mixtral models built from configs, against transformers' o
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -304,6 +305,13 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     parallelize(half, mesh)
     _, grads = logits_and_grads(half, batch(world)[rank])
     out["fp16_experts"] = {n: g.full_tensor() for n, g in grads.items() if "experts" in n}
+    # ... and cast to fp16 after wrapping: the reduction was chosen from the dtype at wrap time,
+    # and every expert gradient came back 1/ep of the right value (a review).
+    half_after = make_model("qwen3_moe")
+    parallelize(half_after, mesh)
+    half_after.half()
+    _, grads = logits_and_grads(half_after, batch(world)[rank])
+    out["fp16_after"] = {n: g.full_tensor() for n, g in grads.items() if "experts" in n}
     mixed(batch(world)[rank]).logits.float().square().mean().backward()
     for name, p in mixed.named_parameters():
         want = torch.float32 if name in gates else torch.bfloat16
@@ -395,9 +403,10 @@ def test_parallelize_ep2_matches_single_process():
     half = make_model("qwen3_moe").half()
     half.set_experts_implementation("eager")
     _, ref_half = logits_and_grads(half, ids.reshape(-1, SEQ))
-    for name, g in got[0]["fp16_experts"].items():
-        ratio = (g.float().norm() / ref_half[name].float().norm()).item()
-        assert abs(ratio - 1) < 0.02, (name, ratio)
+    for key in ("fp16_experts", "fp16_after"):
+        for name, g in got[0][key].items():
+            ratio = (g.float().norm() / ref_half[name].float().norm()).item()
+            assert abs(ratio - 1) < 0.02, (key, name, ratio)
     mixed = _deepseek_bf16_fp32_router()
     for rank in range(world):
         with torch.no_grad():
@@ -1035,3 +1044,140 @@ def test_qwen3_vl_moe_hub_layout_is_transposed_as_transformers_does(tmp_path):
     load_sharded(fresh, tmp_path, device="cpu")
     for name, value in ref.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def _save_pretrained_rank(rank: int, world: int, out: str) -> tuple[str, list[str], bool]:
+    import os
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from grouped_ep.checkpoint import export_hf
+    from grouped_ep.hf import parallelize
+    from grouped_ep.parallel import make_mesh
+
+    model = make_model("qwen3_moe")
+    parallelize(model, make_mesh(1, world))
+    export_hf(model, out)
+    before = sorted(os.listdir(out))
+    try:
+        model.save_pretrained(out)
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    torch.distributed.barrier()
+    unchanged = sorted(os.listdir(out)) == before
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:  # the caller's own full state dict still goes through
+        model.save_pretrained(os.path.join(out, "given"), state_dict=full)
+    torch.distributed.barrier()
+    return message, before, unchanged
+
+
+def test_save_pretrained_of_a_parallelized_model_refuses_and_names_export_hf(tmp_path):
+    """transformers' save_pretrained handed DTensors to safetensors: rank 0 failed inside it
+    after removing the shard files of the export already in the directory (which then no longer
+    loaded), rank 1 returned normally (a review). Now every rank refuses first."""
+    out = tmp_path / "export"
+    for message, before, unchanged in run_ranks(_save_pretrained_rank, 2, str(out), timeout=200):
+        assert "grouped_ep.checkpoint.export_hf(model, save_directory)" in message
+        assert unchanged and any(n.endswith(".safetensors") for n in before)
+    ref = make_model("qwen3_moe")
+    for name in ("export", "export/given"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        for key, value in ref.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), (name, key)
+
+
+class _LoraLike(torch.nn.Module):
+    """peft's LoRA layer as it wraps a Linear: the bf16 base layer, and fp32 adapters in
+    ModuleDicts (containers without a forward), as peft keeps them in a bf16 model."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        g = torch.Generator().manual_seed(base.in_features)
+        a = torch.nn.Linear(base.in_features, 4, bias=False)
+        b = torch.nn.Linear(4, base.out_features, bias=False)
+        with torch.no_grad():
+            a.weight.copy_(torch.randn(a.weight.shape, generator=g) * 0.1)
+            b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.1)
+        self.lora_A = torch.nn.ModuleDict({"default": a})
+        self.lora_B = torch.nn.ModuleDict({"default": b})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = self.lora_B["default"](self.lora_A["default"](x.float()))
+        return self.base_layer(x) + delta.to(x.dtype)
+
+
+def _lora_like_model() -> torch.nn.Module:
+    model = make_model("qwen3_moe").to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LoraLike(layer.self_attn.q_proj)
+    return model
+
+
+def _fp32_adapters_rank(rank: int, world: int) -> torch.Tensor:
+    from grouped_ep.hf import parallelize
+    from grouped_ep.parallel import make_mesh
+
+    model = _lora_like_model()
+    parallelize(model, make_mesh(1, world))
+    with torch.no_grad():
+        logits = model(batch(world)[rank]).logits
+    # peft's LoRA on the expert weights (target_parameters) wraps the experts module: its
+    # adapter spans every expert, and the first forward failed inside peft. Refused up front.
+    wrapped = make_model("qwen3_moe")
+    mlp = wrapped.model.layers[1].mlp
+    mlp.experts = _ParamWrapperLike(mlp.experts)
+    with pytest.raises(
+        NotImplementedError, match=r"layers\.1\.mlp\.experts\.base_layer is wrapped by _Param"
+    ):
+        parallelize(wrapped, make_mesh(1, world))
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in wrapped.parameters())
+    # peft's modules_to_save: a trainable deep copy of the experts with a config of its own,
+    # which set_experts_implementation does not reach (refused, naming neither, before).
+    saved = make_model("qwen3_moe")
+    mlp = saved.model.layers[0].mlp
+    mlp.experts = _ModulesToSaveLike(mlp.experts)
+    mlp.experts.copy.config._experts_implementation_internal = "eager"
+    parallelize(saved, make_mesh(1, world))
+    assert mlp.experts.copy.config._experts_implementation == "grouped_ep"
+    with torch.no_grad():
+        return logits, saved(batch(world)[rank]).logits
+
+
+class _ModulesToSaveLike(torch.nn.Module):
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.original_module = base
+        self.copy = copy.deepcopy(base)
+        assert self.copy.config is not base.config
+
+    def forward(self, *args, **kwargs):
+        return self.copy(*args, **kwargs)
+
+
+class _ParamWrapperLike(torch.nn.Module):
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(16, 2, bias=False)})
+
+    def forward(self, *args, **kwargs):
+        return self.base_layer(*args, **kwargs)
+
+
+def test_parallelize_takes_peft_shaped_models():
+    """Three shapes peft gives a model (reviewed with peft 0.21): fp32 LoRA adapters of a bf16
+    model inside ModuleDicts, which fully_shard refused part-way ("does not implement forward"),
+    leaving the model half sharded; LoRA on the expert weights, refused up front now (the first
+    forward failed inside peft); and a modules_to_save copy of the experts, whose own config
+    set_experts_implementation missed (refused, naming neither)."""
+    got = run_ranks(_fp32_adapters_rank, 2, timeout=200)
+    ref, plain = _lora_like_model(), make_model("qwen3_moe")
+    ids = batch(2)
+    for rank in range(2):
+        with torch.no_grad():
+            want, want_plain = ref(ids[rank]).logits, plain(ids[rank]).logits
+        torch.testing.assert_close(got[rank][0], want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[rank][1], want_plain)

@@ -10,8 +10,9 @@ Three steps, the first two in Python, with no collective anywhere:
 2. Read. `torch.ops.grouped_ep.read_ranges` (csrc/io/reader.cpp) preads the ranges with a pool
    of threads straight into fresh CPU tensors; ranges that need a dtype cast or a copy to a GPU
    go through a bounded staging buffer (pinned and double-buffered for CUDA).
-3. Swap. Only when every read succeeded: meta tensors are replaced (same DTensor spec, same
-   requires_grad), materialized ones are overwritten in place. A failed load changes nothing.
+3. Swap. Only when every read succeeded: the data is swapped into meta tensors, which keep
+   their identity (same objects, DTensor spec and requires_grad, as `Module.to_empty`; see
+   `targets.py`), and materialized ones are overwritten in place. A failed load changes nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from grouped_ep._hf_version import require_transformers
-from grouped_ep._names import unwrapped_model, unwrapped_name
+from grouped_ep._names import unwrapped_model
 from grouped_ep._reshard import reshard_all
 from grouped_ep._signals import sigint_deferred
 from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
@@ -50,6 +51,7 @@ from grouped_ep.loading.prefixes import model_named, toggle_prefix
 from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
+from grouped_ep.loading.targets import model_targets, put_in_model, warn_replaced
 from grouped_ep.moe.layers import MoE
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
@@ -178,54 +180,6 @@ def _refuse_unconfigured_mxfp4(name: str, keys: list[str], ckpt, quant_cfg) -> N
             )
 
 
-def _targets(model: nn.Module) -> list[Target]:
-    """Parameters and persistent buffers, each distinct tensor once with all its names (as
-    `state_dict` names them: no wrapper's component)."""
-    by_id: dict[int, Target] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = unwrapped_name(f"{prefix}.") if prefix else ""
-        skip = getattr(module, "_non_persistent_buffers_set", set())
-        items = [(n, t, True) for n, t in module._parameters.items()]
-        items += [(n, t, False) for n, t in module._buffers.items() if n not in skip]
-        for attr, t, is_param in items:
-            if t is None:
-                continue
-            target = by_id.setdefault(id(t), Target([], t, is_param, []))
-            if dot + attr not in target.names:
-                target.names.append(dot + attr)
-            target.slots.append((module, attr))
-    return list(by_id.values())
-
-
-def _swap(target: Target) -> bool:
-    """Put `target.fresh` into the model (no failure is possible past planning). A meta tensor
-    keeps its identity, as `Module.to_empty` keeps it: the loaded data is swapped into the same
-    Python object, so an optimizer built before the load (FSDP2's order: right after
-    `fully_shard`), FSDP's own records and the caller's references all see it. Where torch
-    cannot swap (a weak reference to the tensor, a tensor subclass of other slots, another
-    holder of its data), the model's slots get a new tensor instead; returns False then."""
-    t = target.tensor
-    if not t.is_meta:
-        with torch.no_grad():
-            local_tensor(t).copy_(target.fresh)
-        return True
-    new = target.fresh
-    if isinstance(t, DTensor):
-        new = DTensor.from_local(
-            new, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
-    if target.is_param:
-        new = nn.Parameter(new, requires_grad=t.requires_grad)
-    new.__dict__.update(t.__dict__)  # attributes others set on it (transformers' markers)
-    try:
-        torch.utils.swap_tensors(t, new)  # checks everything before it changes anything
-        return True
-    except RuntimeError:
-        for module, attr in target.slots:
-            (module._parameters if target.is_param else module._buffers)[attr] = new
-        return False
-
-
 def default_device(model: nn.Module) -> torch.device:
     """Where meta tensors go by default: the device type of the model's DTensor meshes, else
     the current accelerator, else CPU."""
@@ -338,7 +292,7 @@ def load_sharded(
     # eval forward) holds plain full tensors that its next state_dict() call frees: shard
     # every unit first, so that the tensors taken here are the ones that stay.
     reshard_all(model)
-    targets = _targets(model)
+    targets = model_targets(model)
     if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
         check_can_hold(device, "load_sharded: device")
     used: set[str] = set()
@@ -426,21 +380,12 @@ def load_sharded(
         bar.close()
     todo += quantized
     with sigint_deferred():  # all of the model, or (before this) none of it
-        replaced = [target.names[0] for target in todo if not _swap(target)]
+        replaced = [target.names[0] for target in todo if not put_in_model(target)]
         for target in todo:
             target.fresh = None
         for module, name, value in buffers:
             module._buffers[name] = value
-    if replaced:
-        warnings.warn(
-            f"load_sharded: {', '.join(replaced[:3])}{', ...' if len(replaced) > 3 else ''} "
-            f"({len(replaced)} tensors) could not keep their identity (torch.utils."
-            "swap_tensors refused: a weak reference to them, or another holder of their data), "
-            "so the model now holds new tensors for them: an optimizer or other references taken "
-            "before this load still see the old meta tensors. Build the optimizer after "
-            "load_sharded.",
-            stacklevel=2,
-        )
+    warn_replaced(replaced)
     for module in model.modules():  # tokens counted by forwards before the load belong to
         if isinstance(module, MoE):  # no step of the loaded run
             module.take_load_counts()
