@@ -143,6 +143,38 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path: Path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         ck.save(tmp_path, model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
+    monkeypatch.undo()
+
+
+def _interrupt_inside_torch_save(self, plan, planner):
+    try:  # as torch.save's zip writer turned it: a RuntimeError, the Ctrl-C its context
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+
+
+@pytest.mark.parametrize("where", ["inside_torch_save", "write_extra", "commit"])
+def test_ctrl_c_anywhere_in_a_save_leaves_no_partial_step(tmp_path: Path, monkeypatch, where):
+    """A review: Ctrl-C while `extra` was written or while rank 0 committed left the partial
+    `.tmp-step-N` on disk (a whole checkpoint's worth, in the commit), and one inside torch.save
+    came back as a CheckpointError, its KeyboardInterrupt only the RuntimeError's context."""
+    import grouped_ep.checkpoint.dcp as dcp_module
+
+    model = OneWeight(None)
+    ck.save(tmp_path, model, extra={"step": 0})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "inside_torch_save":
+        monkeypatch.setattr(dcp_module.ChecksumWriter, "write_data", _interrupt_inside_torch_save)
+    else:
+        monkeypatch.setattr(
+            dcp_module, "write_extra" if where == "write_extra" else "describe", interrupted
+        )
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(tmp_path, model, extra={"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
 
 
 def _unreadable_on_rank_1(rank: int, world: int, root: str) -> str:

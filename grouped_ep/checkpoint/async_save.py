@@ -107,9 +107,13 @@ def _destroy_shim(*args, **kwargs):
     for the save in flight, then destroy as torch does. (Run with torch's module globals: it
     names nothing of this module but through the import.)"""
     from grouped_ep.checkpoint import async_save as guard
+    from grouped_ep.checkpoint.collective import forget_async_group
 
     guard._finish_pending()
-    return guard._ORIGINAL_DESTROY(*args, **kwargs)
+    world = guard.dist.group.WORLD
+    result = guard._ORIGINAL_DESTROY(*args, **kwargs)
+    forget_async_group(args[0] if args else kwargs.get("group"), world)
+    return result
 
 
 _ORIGINAL_DESTROY: Callable | None = None

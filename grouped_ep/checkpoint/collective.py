@@ -101,7 +101,7 @@ def all_ok(error: Exception | None, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
 
 
-_ASYNC_GROUPS: dict[int, Any] = {}
+_ASYNC_GROUP: tuple[Any, Any] | None = None  # (the default group it was made for, the group)
 
 
 def async_group() -> Any:
@@ -109,11 +109,25 @@ def async_group() -> Any:
 
     A background save runs collectives from its own thread; on the default group they could
     interleave with the training step's collectives (FSDP all-gathers on gloo), which mismatches
-    them across ranks. Its own group keeps the two streams apart.
+    them across ranks. Its own group keeps the two streams apart. Kept for the default group
+    object itself (not its `id`, which a later default group reused after a re-initialization:
+    a destroyed group went to DCP; a review), and dropped when that group is destroyed
+    (`forget_async_group`), with its sockets and threads.
     """
+    global _ASYNC_GROUP
     if not distributed():
         return None
-    key = id(dist.group.WORLD)
-    if key not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
-    return _ASYNC_GROUPS[key]
+    world = dist.group.WORLD
+    if _ASYNC_GROUP is None or _ASYNC_GROUP[0] is not world:
+        _ASYNC_GROUP = (world, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[1]
+
+
+def forget_async_group(destroyed: Any, world: Any) -> None:
+    """After `destroy_process_group(destroyed)` of default group `world`: drop the background
+    saves' group where it went with it (the whole world, or that group itself)."""
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is not None and (
+        destroyed is None or destroyed is world or destroyed is _ASYNC_GROUP[1]
+    ):
+        _ASYNC_GROUP = None

@@ -80,6 +80,20 @@ __all__ = ["AsyncSave", "save"]
 SAVE_ID_FILE = ".save_id"  # rank 0 writes the save's id into the step it makes: each rank checks
 
 
+def _interrupt_in(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that `error` is, or that caused it: Ctrl-C inside
+    torch.save's zip writer came back as its RuntimeError ("unexpected pos"), the interrupt only
+    in its `__context__` (a review)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _remove_partial(tmp: Path, root: Path) -> str:
     """Remove a failed save's partial step `tmp` (a full disk stays full otherwise); the free
     space left on `root`'s file system, as text for the error."""
@@ -213,12 +227,15 @@ def save(
     if extra is not None:
         try:
             files = write_extra(tmp, rank(), extra)
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C too: every rank stops, the partial step goes
             error = e
     try:
         all_ok(error, f"save: writing extra into {tmp}")
     except CheckpointError as e:
-        raise failed(f"save: writing extra into {tmp} failed", str(e)) from e
+        cleaned = failed(f"save: writing extra into {tmp} failed", str(e))
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise error from cleaned  # Ctrl-C stays Ctrl-C
+        raise cleaned from e
 
     manifest = {
         "format": FORMAT_VERSION,
@@ -233,34 +250,39 @@ def save(
     }
 
     def commit() -> Path:
-        (tmp / SAVE_ID_FILE).unlink(missing_ok=True)  # every rank found it: done with
-        problems = describe(tmp).problems  # every rank's data file there and long enough
-        if problems:
-            free = _remove_partial(tmp, root)
-            raise CheckpointError(
-                f"save: {tmp} is incomplete and was not committed (removed{free}; `latest` still "
-                f"names the previous checkpoint): {'; '.join(problems[:5])}"
-            )
         try:
-            commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
-        except OSError as e:
-            free = _remove_partial(tmp, root)  # rank 0 alone: the others wait for it
-            raise CheckpointError(
-                f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
-                f"{free}; `latest` still names the previous checkpoint"
-            ) from e
-        if keep_last is not None:
-            try:
-                prune(root, keep_last)
-            except OSError as e:  # the step is committed: not a failed save
-                warnings.warn(
-                    f"save: {final} is committed (`latest` names it), but removing older steps "
-                    f"for keep_last={keep_last} failed: {e}",
-                    stacklevel=4,  # the caller of save (through on_rank0)
+            (tmp / SAVE_ID_FILE).unlink(missing_ok=True)  # every rank found it: done with
+            problems = describe(tmp).problems  # every rank's data file there and long enough
+            if problems:
+                free = _remove_partial(tmp, root)
+                raise CheckpointError(
+                    f"save: {tmp} is incomplete and was not committed (removed{free}; `latest` still "
+                    f"names the previous checkpoint): {'; '.join(problems[:5])}"
                 )
-        return final
+            try:
+                commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+            except OSError as e:
+                free = _remove_partial(tmp, root)  # rank 0 alone: the others wait for it
+                raise CheckpointError(
+                    f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
+                    f"{free}; `latest` still names the previous checkpoint"
+                ) from e
+            if keep_last is not None:
+                try:
+                    prune(root, keep_last)
+                except OSError as e:  # the step is committed: not a failed save
+                    warnings.warn(
+                        f"save: {final} is committed (`latest` names it), but removing older steps "
+                        f"for keep_last={keep_last} failed: {e}",
+                        stacklevel=4,  # the caller of save (through on_rank0)
+                    )
+            return final
+        except (KeyboardInterrupt, SystemExit):  # rank 0 alone: nothing collective to wait for
+            _remove_partial(tmp, root)  # nothing where the rename to `final` happened
+            raise
 
     writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
+    group = async_group() if async_save else None  # the same one in the background thread
     try:
         with dcp_quiet():
             if async_save:
@@ -269,7 +291,7 @@ def save(
                     state,
                     storage_writer=writer,
                     planner=CompactSavePlanner(),
-                    process_group=async_group(),
+                    process_group=group,
                     no_dist=not distributed(),
                 )
             else:
@@ -282,8 +304,9 @@ def save(
     except CheckpointException as e:  # raised on every rank when any rank failed
         error = failed(f"save to {tmp} failed", failures(e))
         own = e.failures.get(rank())
-        if own is not None and isinstance(own[0], (KeyboardInterrupt, SystemExit)):
-            raise own[0] from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
+        interrupt = _interrupt_in(own[0]) if own is not None else None
+        if interrupt is not None:
+            raise interrupt from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
         raise error from e
     if not async_save:
         return on_rank0(commit)
@@ -292,9 +315,9 @@ def save(
         try:
             upload.result()
         except CheckpointException as e:  # on every rank (DCP gathers the failures)
-            raise failed(f"async save to {tmp} failed", failures(e), async_group()) from e
+            raise failed(f"async save to {tmp} failed", failures(e), group) from e
         # On the save's own group: every rank's handle says whether the step was committed.
-        return on_rank0(commit, group=async_group())
+        return on_rank0(commit, group=group)
 
     return background.start(final, finish)
 

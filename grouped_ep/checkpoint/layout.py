@@ -45,11 +45,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    fd = -1
+    try:  # os.open inside: an interrupt right after it leaves no descriptor open
+        fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -318,7 +318,9 @@ def parallelize(
         model.set_experts_implementation(IMPLEMENTATION)
     for c in configs:  # a config of its own that the model's call does not reach: peft's
         # modules_to_save copy of an experts module (a review: refused, naming neither)
-        if c._experts_implementation != IMPLEMENTATION and hasattr(c, "_experts_implementation_internal"):
+        if c._experts_implementation != IMPLEMENTATION and hasattr(
+            c, "_experts_implementation_internal"
+        ):
             c._experts_implementation_internal = IMPLEMENTATION
     for module in experts:
         config = getattr(module, "config", None)

@@ -96,6 +96,10 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+def _open_nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
 def read_header(path: str | os.PathLike) -> SafetensorsFile:
     """Parse and validate the header of one safetensors file.
 
@@ -106,10 +110,11 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
     """
     path = str(path)
     try:
-        # O_NONBLOCK: a named pipe (or other special file) is refused below, not waited on.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        with open(fd, "rb", closefd=True) as f:
-            st = os.fstat(fd)
+        # O_NONBLOCK: a named pipe (or other special file) is refused below, not waited on. The
+        # file object owns the descriptor from the start (Ctrl-C between an os.open and an
+        # open(fd) leaked it for the life of the process; a review).
+        with open(path, "rb", opener=_open_nonblocking) as f:
+            st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise LoadError(f"{path}: is not a regular file, expected a .safetensors file")
             size = st.st_size
