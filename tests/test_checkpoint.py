@@ -631,3 +631,24 @@ def test_extra_saved_from_a_gpu_loads_without_it(tmp_path: Path, monkeypatch) ->
     here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     assert str(extra["loss_ema"].device) == here and float(extra["loss_ema"]) == 1.5
     assert extra["rng"].device.type == "cpu" and torch.equal(extra["rng"], rng)
+
+
+def test_resume_with_a_scheduler_the_saving_run_lacked(tmp_path: Path) -> None:
+    """Every torch LR scheduler adds `initial_lr` to the groups: a run resumed with one that the
+    saving run did not have failed inside DCP's read plan ("Missing key ... initial_lr"), after
+    the checks, saying the model may be partly loaded (a review). The group keeps its current
+    value for a key the checkpoint lacks; the saved ones come from the checkpoint."""
+    model, opt = _trained()
+    ck.save(tmp_path, model, opt)
+    fresh = Small(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda k: 0.5**k)
+    ck.load(tmp_path, fresh, fresh_opt)
+    group = fresh_opt.param_groups[0]
+    assert group["lr"] == 0.1 and group["initial_lr"] == 0.5
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    state = fresh_opt.state[fresh.dense.weight]
+    assert torch.equal(state["exp_avg"], opt.state[model.dense.weight]["exp_avg"])
+    scheduler.step()
+    assert fresh_opt.param_groups[0]["lr"] == 0.25  # the scheduler's own base, 0.5 * 0.5

@@ -185,6 +185,21 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
         )
 
 
+def take_unsaved_hyperparameters(info: CheckpointInfo, state: dict[str, Any]) -> list[dict]:
+    """Remove from `state`'s optimizer groups (in place) the hyperparameters the checkpoint has
+    no value for, and return them per group, for `load` to put back: an LR scheduler adds
+    `initial_lr` to every group, and a run resumed with one that the saving run lacked failed
+    inside DCP's read plan ("Missing key ... initial_lr"), saying the model may be partly
+    loaded (a review). Such a group keeps its current value, as the saved ones take theirs."""
+    saved = info.metadata.state_dict_metadata
+    groups = state.get("optim", {}).get("param_groups", [])
+    taken = []
+    for i, group in enumerate(groups):
+        missing = [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]
+        taken.append({k: group.pop(k) for k in missing})
+    return taken
+
+
 def check_param_groups(info: CheckpointInfo, state: dict[str, Any]) -> list[int] | None:
     """Raise CheckpointError when the optimizer's parameter groups are not the saved ones: another
     number of groups (as `Optimizer.load_state_dict` refuses it), or a parameter in another group.

@@ -48,6 +48,7 @@ from grouped_ep.checkpoint.fit import (
     refuse_unexpected,
     refuse_untied,
     stateless_params,
+    take_unsaved_hyperparameters,
     warn_untracked_ties,
     without,
 )
@@ -164,6 +165,7 @@ def _load(
         all_ok(CheckpointError(shown) if problems else None, "load: checking checksums")
     if optimizer is not None:  # unpickles the saved groups: after their bytes were checked
         sources = on_rank0(lambda: check_param_groups(described[0], current))
+        unsaved = take_unsaved_hyperparameters(info, current)
     # `extra` is read before the model is touched, on every rank (a bad file on one rank fails
     # them all, before the collective read): a failure changes nothing.
     extra, error = None, None
@@ -202,6 +204,9 @@ def _load(
         )
         for group, source in zip(optimizer.param_groups, sources or []):
             group.update(hyper[source])
+        for group, kept in zip(optimizer.param_groups, unsaved):
+            for key, value in kept.items():
+                group.setdefault(key, value)
     refresh_buffers(model)
     return extra
 
