@@ -24,6 +24,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "amx_gemm.h"
+#include "avx2_gemm.h"
 #include "avx512_gemm.h"
 
 
@@ -173,10 +175,12 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 
 namespace {
 // torch.ops.grouped_ep.cpu_pool_release(): the held blocks unmapped now, their bytes returned
-// (evaluation or export after CPU training need not keep up to the cap resident). The own AVX-512
-// kernels' per-thread scratch is freed too (not counted in the bytes returned).
+// (evaluation or export after CPU training need not keep up to the cap resident). The own AVX-512,
+// AVX2 and AMX kernels' per-thread scratch is freed too (not counted in the bytes returned).
 int64_t cpu_pool_release() {
   avx512_scratch_release();
+  avx2_scratch_release();
+  amx_scratch_release();
   return static_cast<int64_t>(Pool::get().release());
 }
 }  // namespace
