@@ -11,15 +11,19 @@ every rank, unless the caller passes the full `state_dict` itself.
 
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+_MARK = "_grouped_ep_sharded"  # set on a model grouped_ep sharded: a plain, picklable flag
 
-def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("state_dict") is None and any(isinstance(p, DTensor) for p in self.parameters()):
+
+def _refuse(self: nn.Module, save_directory: Any, kwargs: dict) -> None:
+    if not getattr(self, _MARK, False) or kwargs.get("state_dict") is not None:
+        return
+    if any(isinstance(p, DTensor) for p in self.parameters()):
         raise ValueError(
             f"save_pretrained({str(save_directory)!r}): {type(self).__name__}'s parameters are "
             "DTensors sharded by grouped_ep, which transformers' save_pretrained cannot write "
@@ -29,12 +33,26 @@ def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs:
             "state_dict=torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
             "options=StateDictOptions(full_state_dict=True)) to save_pretrained"
         )
-    return type(self).save_pretrained(self, save_directory, *args, **kwargs)
 
 
 def guard_save_pretrained(model: nn.Module) -> None:
     """Make `model.save_pretrained` (and `push_to_hub`, which calls it) refuse, naming
-    `export_hf`, while the model holds DTensors and no `state_dict` is given. A bound method on
-    the instance: `copy.deepcopy` rebinds it to the copy; the class is left alone."""
-    if callable(getattr(type(model), "save_pretrained", None)):
-        model.save_pretrained = types.MethodType(_save_pretrained, model)
+    `export_hf`, while the model holds DTensors and no `state_dict` is given. The model gets a
+    flag; its class's method checks it (wrapped once per class): a method bound on the instance
+    made the model unpicklable (`torch.save(model)` wrote a file `torch.load` could not read;
+    a review). Other models of the class are untouched."""
+    cls = type(model)
+    original = getattr(cls, "save_pretrained", None)
+    if not callable(original):
+        return
+    setattr(model, _MARK, True)
+    if getattr(original, "_grouped_ep_guard", False):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse(self, save_directory, kwargs)
+        return original(self, save_directory, *args, **kwargs)
+
+    save_pretrained._grouped_ep_guard = True  # type: ignore[attr-defined]
+    cls.save_pretrained = save_pretrained

@@ -1042,15 +1042,15 @@ def test_ctrl_c_while_the_model_takes_its_tensors_finishes_first(tmp_path, monke
 
     state = _fused_state()
     write_safetensors(tmp_path / "model.safetensors", state)
-    swap, calls = loader._swap, []
+    swap, calls = loader.put_in_model, []
 
     def interrupted_swap(target):
         calls.append(target)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first tensor went in
-        swap(target)
+        return swap(target)
 
-    monkeypatch.setattr(loader, "_swap", interrupted_swap)
+    monkeypatch.setattr(loader, "put_in_model", interrupted_swap)
     model = _fused_model()
     # Python's own handler, as in a terminal (a job started in the background ignores SIGINT)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
