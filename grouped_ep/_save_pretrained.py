@@ -12,6 +12,7 @@ every rank, unless the caller passes the full `state_dict` itself.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 from torch import nn
@@ -20,8 +21,17 @@ from torch.distributed.tensor import DTensor
 _MARK = "_grouped_ep_sharded"  # set on a model grouped_ep sharded: a plain, picklable flag
 
 
-def _refuse(self: nn.Module, save_directory: Any, kwargs: dict) -> None:
-    if not getattr(self, _MARK, False) or kwargs.get("state_dict") is not None:
+def _given_state_dict(original: Any, args: tuple, kwargs: dict) -> Any:
+    """The `state_dict` argument of a `save_pretrained(self, save_directory, ...)` call, by
+    keyword or by position (transformers' third parameter)."""
+    try:
+        return inspect.signature(original).bind(*args, **kwargs).arguments.get("state_dict")
+    except TypeError:  # transformers raises its own error for a bad call
+        return kwargs.get("state_dict")
+
+
+def _refuse(self: nn.Module, save_directory: Any, state_dict: Any) -> None:
+    if not getattr(self, _MARK, False) or state_dict is not None:
         return
     if any(isinstance(p, DTensor) for p in self.parameters()):
         raise ValueError(
@@ -51,7 +61,9 @@ def guard_save_pretrained(model: nn.Module) -> None:
 
     @functools.wraps(original)
     def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        _refuse(self, save_directory, kwargs)
+        _refuse(
+            self, save_directory, _given_state_dict(original, (self, save_directory, *args), kwargs)
+        )
         return original(self, save_directory, *args, **kwargs)
 
     save_pretrained._grouped_ep_guard = True  # type: ignore[attr-defined]

@@ -44,9 +44,13 @@ def _check_placements(op: str, name: str, t: DTensor, allowed: str | None) -> No
         if allowed is None:
             raise ValueError(
                 f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} {where}; {name} "
-                "holds this rank's cumulative row offsets for its own experts, which a slice of "
-                "global offsets is not (they count from other ranks' rows). Pass a plain tensor "
-                "of this rank's offsets, or a Replicate() DTensor of them."
+                "holds this rank's cumulative row offsets for its own experts"
+                + (
+                    ", which a slice of global offsets is not (they count from other ranks' rows)"
+                    if isinstance(p, Shard)
+                    else ""
+                )
+                + ". Pass a plain tensor of this rank's offsets, or a Replicate() DTensor of them."
             )
         raise ValueError(
             f"grouped_ep.{op}: {name} is a DTensor with placement {p!r} {where}; only Shard(0) "

@@ -19,7 +19,6 @@ against single-process training.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from grouped_ep._clip_grad import clip_grad_norm_
+from grouped_ep._expert_units import expert_placement, experts_reshard, single_rank_reduce
 from grouped_ep._inference_mode import guard_first_forward
 from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
 from grouped_ep._reshard import reshard_after_gradless_forward
@@ -367,8 +367,8 @@ def fully_shard_moe(
         fully_shard(
             module,
             mesh=dp_mesh,
-            shard_placement_fn=_expert_placement(module.num_experts // ep, dp),
-            **_experts_reshard(_single_rank_reduce(dp, kwargs), dp),
+            shard_placement_fn=expert_placement(module.num_experts // ep, dp),
+            **experts_reshard(single_rank_reduce(module, dp, kwargs), dp),
         )
         module.set_gradient_divide_factor(float(dp * ep))
         # torch 2.14 divides twice when the FSDP group has one rank and sums are forced
@@ -406,41 +406,3 @@ def _refuse_shared_across_blocks(model: nn.Module, blocks: list[str]) -> None:
             f"units: {'; '.join(shared)}; give each block its own parameter, or shard the model "
             "with fully_shard yourself, putting the sharing blocks in one unit"
         )
-
-
-def _expert_placement(local: int, dp: int):
-    """How FSDP shards an experts module's stacked weights over `dp`: on dim 0 (the experts)
-    where dp divides the local expert count, else on dim 1 where dp divides that (each rank
-    keeps every expert's rows), else on dim 0 unevenly (FSDP2 pads only dim 0; uneven dim 1
-    is its NotImplementedError)."""
-
-    def placement(param: torch.Tensor) -> Shard:
-        if local % dp == 0 or param.dim() < 2 or param.shape[1] % dp != 0:
-            return Shard(0)
-        return Shard(1)
-
-    return placement
-
-
-def _experts_reshard(kwargs: dict, dp: int) -> dict:
-    """`kwargs` with the experts' `reshard_after_forward`: an int between 1 and `dp` becomes
-    True there. The experts' weights are DTensors already (Shard(0) on "ep"), and FSDP2 cannot
-    reshard a DTensor parameter to a smaller mesh: such an int passed the check above, then the
-    first forward raised torch's NotImplementedError, naming neither (a review)."""
-    n = kwargs["reshard_after_forward"]
-    if isinstance(n, bool) or n in (1, dp):
-        return kwargs
-    return {**kwargs, "reshard_after_forward": True}
-
-
-def _single_rank_reduce(dp: int, kwargs: dict) -> dict:
-    """`kwargs` for the experts' FSDP group. With one rank there (dp = 1) and an fp16 reduction,
-    torch 2.14 divides the gradient by the divide factor twice (its fp16 pre/post-divide split,
-    then the single-rank copy): the experts' gradients came back / (dp * ep)**2. Reducing in
-    fp32 there avoids that split and costs nothing (one rank: a local copy). Always at dp = 1,
-    whatever the dtype now: a model cast to fp16 after wrapping (`model.half()`) reduced in
-    fp16 again, and every expert gradient was 1/ep of the right value, silently (a review)."""
-    if dp > 1:
-        return kwargs
-    policy = kwargs["mp_policy"]
-    return {**kwargs, "mp_policy": dataclasses.replace(policy, reduce_dtype=torch.float32)}

@@ -202,3 +202,34 @@ def test_a_step_one_rank_cannot_read_is_an_error_on_every_rank(tmp_path: Path) -
     for error in run_ranks(_unreadable_on_rank_1, 2, str(tmp_path), timeout=120):
         assert "finding the checkpoint" in error and "failed on rank" in error, error
         assert "grouped_ep.json" in error and "Permission denied" in error, error
+
+
+def _interrupted_commit_rank(rank: int, world: int, root: str) -> str:
+    from unittest import mock
+
+    import grouped_ep.checkpoint.dcp as dcp_module
+
+    model = _sharded()
+    ck.save(root, model)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with mock.patch.object(dcp_module, "describe", interrupted):  # rank 0's commit
+        try:
+            ck.save(root, model)
+        except KeyboardInterrupt:
+            return "KeyboardInterrupt"
+        except ck.CheckpointError as e:
+            return str(e)
+    return "saved"
+
+
+def test_ctrl_c_while_rank_0_commits_reaches_every_rank(tmp_path: Path) -> None:
+    """Rank 0 removed the partial step and raised the KeyboardInterrupt without telling the
+    others: they waited in the broadcast until its process died, then failed with gloo's bare
+    "Connection closed by peer" (newcode11 review)."""
+    got = run_ranks(_interrupted_commit_rank, 2, str(tmp_path), timeout=120)
+    assert got[0] == "KeyboardInterrupt"
+    assert "KeyboardInterrupt on rank 0 (interrupted)" in got[1], got[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]

@@ -313,6 +313,13 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     half_after.half()
     _, grads = logits_and_grads(half_after, batch(world)[rank])
     out["fp16_after"] = {n: g.full_tensor() for n, g in grads.items() if "experts" in n}
+    # A bf16 model keeps its bf16 reduction (fp32 buffers would double the gradients' memory):
+    # cast to fp16 after wrapping, its next forward is refused rather than wrong.
+    bf16_after = make_model("qwen3_moe").bfloat16()
+    parallelize(bf16_after, mesh)
+    bf16_after.half()
+    with pytest.raises(RuntimeError, match="cast to fp16 after fully_shard_moe / parallelize"):
+        bf16_after(batch(world)[rank])
     mixed(batch(world)[rank]).logits.float().square().mean().backward()
     for name, p in mixed.named_parameters():
         want = torch.float32 if name in gates else torch.bfloat16
@@ -1068,8 +1075,9 @@ def _save_pretrained_rank(rank: int, world: int, out: str) -> tuple[str, list[st
     torch.distributed.barrier()
     unchanged = sorted(os.listdir(out)) == before
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    if rank == 0:  # the caller's own full state dict still goes through
+    if rank == 0:  # the caller's own full state dict still goes through, by keyword or position
         model.save_pretrained(os.path.join(out, "given"), state_dict=full)
+        model.save_pretrained(os.path.join(out, "given_by_position"), True, full)
     torch.distributed.barrier()
     # EP alone: the model still pickles (a method bound on the instance broke torch.load of a
     # torch.save(model); a review), and the copy refuses too; another model of the class saves.
@@ -1090,7 +1098,7 @@ def test_save_pretrained_of_a_parallelized_model_refuses_and_names_export_hf(tmp
         assert "grouped_ep.checkpoint.export_hf(model, save_directory)" in message
         assert unchanged and any(n.endswith(".safetensors") for n in before)
     ref = make_model("qwen3_moe")
-    for name in ("export", "export/given"):
+    for name in ("export", "export/given", "export/given_by_position"):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name)
         for key, value in ref.state_dict().items():
             assert torch.equal(loaded.state_dict()[key], value), (name, key)

@@ -48,6 +48,9 @@ def on_rank0(fn: Callable[[], _T], group: Any = None) -> _T:
         except (Exception, CheckpointException) as e:  # sent to the other ranks: nobody waits
             # forever (DCP's CheckpointException is a BaseException)
             error, msg[1] = e, f"{type(e).__name__}: {e}"
+        except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C on rank 0: raised there as it is,
+            # an error on the others (they waited in the broadcast until rank 0's process died)
+            error, msg[1] = e, f"{type(e).__name__} on rank 0 (interrupted)"
     dist.broadcast_object_list(msg, src=0, group=group)
     if error is not None:
         raise error
