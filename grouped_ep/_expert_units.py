@@ -58,8 +58,8 @@ def single_rank_reduce(module: nn.Module, dp: int, kwargs: dict) -> dict:
 
 
 def _refuse_fp16_reduce(module: nn.Module, args: tuple) -> None:
-    """Forward pre-hook of a dp = 1 experts unit wrapped in bf16 with no reduce_dtype: cast to
-    fp16 since, its gradients would reduce in fp16 and come back 1/ep (see above)."""
+    """Forward pre-hook of a dp = 1 experts unit wrapped in bf16 with no reduce_dtype: once cast
+    to fp16, its gradients would reduce in fp16 and come back 1/ep (see above)."""
     weight = next(module.parameters(), None)
     if weight is not None and weight.dtype == torch.float16:
         raise RuntimeError(

@@ -47,8 +47,8 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
     descendants of that dtype (`kwargs`' mixed precision minus the parameter cast: it keeps the
     precision the model asked for), and its descendants of yet another dtype units of theirs.
     The split units are gathered when `unit`'s forward starts (a parent may read a submodule's
-    weight without calling it, as Mamba-style mixers do with their `conv1d`). ValueError,
-    naming the parameters, where one module holds parameters of two dtypes itself."""
+    weight without calling it, as Mamba-style mixers do with their `conv1d`). A module holding
+    parameters of two dtypes itself is refused before anything is sharded (`check_dtypes`)."""
     counts = _dtype_counts(unit)
     if len(counts) < 2:
         return
@@ -65,9 +65,7 @@ def split_dtypes(unit: nn.Module, name: str, mesh: Any, kwargs: dict[str, Any]) 
             child_counts = _dtype_counts(child)
             if not child_counts or set(child_counts) == {keep}:
                 continue
-            own = {p.dtype for p in child.parameters(recurse=False)}
-            if len(own) > 1:
-                _refuse_mixed(child, path)
+            own = {p.dtype for p in child.parameters(recurse=False)}  # one (`check_dtypes`)
             if not own and type(child).forward is nn.Module.forward:
                 # A container without a forward (peft's lora_A ModuleDict of fp32 adapters in a
                 # bf16 model): fully_shard refuses it; its children become units instead.

@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor
 _MARK = "_grouped_ep_sharded"  # set on a model grouped_ep sharded: a plain, picklable flag
 
 
-def _given_state_dict(original: Any, args: tuple, kwargs: dict) -> Any:
+def _given_state_dict(signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:
     """The `state_dict` argument of a `save_pretrained(self, save_directory, ...)` call, by
     keyword or by position (transformers' third parameter)."""
     try:
-        return inspect.signature(original).bind(*args, **kwargs).arguments.get("state_dict")
+        return signature.bind(*args, **kwargs).arguments.get("state_dict")
     except TypeError:  # transformers raises its own error for a bad call
         return kwargs.get("state_dict")
 
@@ -59,10 +59,14 @@ def guard_save_pretrained(model: nn.Module) -> None:
     if getattr(original, "_grouped_ep_guard", False):
         return
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         _refuse(
-            self, save_directory, _given_state_dict(original, (self, save_directory, *args), kwargs)
+            self,
+            save_directory,
+            _given_state_dict(signature, (self, save_directory, *args), kwargs),
         )
         return original(self, save_directory, *args, **kwargs)
 

@@ -37,9 +37,9 @@ def _check_placements(op: str, name: str, t: DTensor, allowed: str | None) -> No
     """Raise unless every placement of `t` is Shard(0) (where `allowed` says what a shard
     holds; None: offsets, which a shard cannot hold) or Replicate()."""
     for mesh_dim, p in enumerate(t.placements):
-        if isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0):
-            if allowed or isinstance(p, Replicate) or t.device_mesh.size(mesh_dim) == 1:
-                continue
+        shard0 = isinstance(p, Shard) and p.dim == 0
+        if isinstance(p, Replicate) or (shard0 and (allowed or t.device_mesh.size(mesh_dim) == 1)):
+            continue
         where = f"on mesh dim {mesh_dim} ({_mesh_dims(t)[mesh_dim]!r}) of {tuple(t.placements)}"
         if allowed is None:
             raise ValueError(

@@ -137,13 +137,12 @@ def check_shardable(
     an experts module itself that is not stacked over its experts."""
     ep = ep_mesh.size()
     found = []
-    modules = dict(model.named_modules())
     for prefix, module in model.named_modules():
         if not is_experts_module(module):
             continue
         where = prefix or "model"
         parent, _, attr = prefix.rpartition(".")
-        wrapper = modules.get(parent) if attr == "base_layer" else None
+        wrapper = model.get_submodule(parent) if attr == "base_layer" else None
         if wrapper is not None and hasattr(wrapper, "lora_A"):
             raise NotImplementedError(
                 f"{caller}: {where} is wrapped by {type(wrapper).__name__} at {parent} (peft's "

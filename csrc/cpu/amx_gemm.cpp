@@ -26,10 +26,7 @@
 #include "amx_gemm.h"
 #include "aligned_buffer.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -341,12 +338,12 @@ bool swapped_pays(int64_t M, int64_t N, int64_t K, int64_t sak, int64_t sbk, int
   return sak == 1 && sbk == 1 && sbn != 1 && K % 32 == 0 && M < 128 && M * (steps + N) < 2 * N * steps;
 }
 
-// Sizes the scratch and cuts a packed A into blocks of rows whose packed copy stays under
-// kPackCap (the weight gradient's K is a group's row count: any size).
 // A thread's scratch, at namespace scope so that amx_scratch_release (for cpu_pool_release) can
 // free it.
 thread_local Scratch amx_scratch;
 
+// Sizes the scratch and cuts a packed A into blocks of rows whose packed copy stays under
+// kPackCap (the weight gradient's K is a group's row count: any size).
 void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b,
              int64_t sbk, int64_t sbn, uint16_t* c, int64_t ldc) {
   Scratch& s = amx_scratch;
@@ -385,12 +382,8 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, in
 
 int64_t amx_scratch_release() {
 #if GE_AMX_BUILD
-  std::atomic<int64_t> bytes{0};  // one index per thread of ATen's pool: each frees its own
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    bytes += static_cast<int64_t>(amx_scratch.bpanel.release() + amx_scratch.apack.release() +
-                                  amx_scratch.tmp.release());
-  });
-  return bytes;
+  return release_on_every_thread(
+      [] { return amx_scratch.bpanel.release() + amx_scratch.apack.release() + amx_scratch.tmp.release(); });
 #else
   return 0;
 #endif

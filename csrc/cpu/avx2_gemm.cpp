@@ -27,9 +27,6 @@
 #include "avx2_gemm.h"
 #include "aligned_buffer.h"
 
-#include <ATen/Parallel.h>
-
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -398,11 +395,7 @@ bool avx2_gemm_compiled() { return GE_AVX2_BUILD; }
 
 int64_t avx2_scratch_release() {
 #if GE_AVX2_BUILD
-  std::atomic<int64_t> bytes{0};  // one index per thread of ATen's pool: each frees its own
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    bytes += static_cast<int64_t>(bpack.release() + apack.release() + csum.release());
-  });
-  return bytes;
+  return release_on_every_thread([] { return bpack.release() + apack.release() + csum.release(); });
 #else
   return 0;
 #endif

@@ -23,10 +23,8 @@
 // Only the functions under the target attribute use AVX-512, and they instantiate no library
 // template (scratch is allocated outside them), so no inline function shared with other files is
 // compiled with AVX-512 here. The caller checks that the CPU has the instructions first.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -302,13 +300,10 @@ bool avx512_gemm_compiled() { return GE_AVX512_BUILD; }
 
 int64_t avx512_scratch_release() {
 #if GE_AVX512_BUILD
-  // One index per thread of ATen's pool, so that each frees its own (the tasks run there).
-  std::atomic<int64_t> bytes{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    bytes += static_cast<int64_t>(scratch_f32.bpanel.release() + scratch_f32.apack.release() +
-                                  scratch_bf16.bpanel.release() + scratch_bf16.apack.release());
+  return release_on_every_thread([] {
+    return scratch_f32.bpanel.release() + scratch_f32.apack.release() + scratch_bf16.bpanel.release() +
+           scratch_bf16.apack.release();
   });
-  return bytes;
 #else
   return 0;
 #endif

@@ -48,18 +48,14 @@ def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> 
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
     params = {id(p) for p in model.parameters()}
-    foreign = [
-        f"group {g} item {i} {list(p.shape)}"
+    strangers = [
+        (f"group {g} item {i} {list(p.shape)}", p.is_meta)
         for g, group in enumerate(optimizer.param_groups)
         for i, p in enumerate(group["params"])
         if id(p) not in params
     ]
-    on_meta = [
-        p
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if id(p) not in params and p.is_meta
-    ]
+    foreign = [where for where, _ in strangers]
+    on_meta = [where for where, meta in strangers if meta]
     if on_meta:
         raise CheckpointError(
             f"{caller}: the optimizer holds {len(on_meta)} meta tensors that are not the model's "
