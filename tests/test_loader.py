@@ -436,8 +436,36 @@ def test_error_missing_shard_file_and_key_not_in_file(tmp_path):
     write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
     write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"})
     _expect(r"shard file 's2\.safetensors'.*not found", _fused_model(), tmp_path)
+    # Listed in a shard that lacks it, and in no other: left out, with a warning; the model
+    # needs it, so the load still fails on it.
     write_index(tmp_path, {"m.norm": "s1.safetensors", "m.experts.down_proj": "s1.safetensors"})
-    _expect(r"s1\.safetensors: missing key 'm\.experts\.down_proj'", _fused_model(), tmp_path)
+    with pytest.warns(UserWarning, match=r"'m\.experts\.down_proj' \(in no shard: left out\)"):
+        _expect(r"no checkpoint key for .*m\.experts\.down_proj", _fused_model(), tmp_path)
+
+
+def test_index_entries_that_miss_their_shard_read_as_transformers_reads_them(tmp_path):
+    """An index that names the wrong shard for a key, or a stale entry for a key no shard holds:
+    transformers' from_pretrained loads such checkpoints (the key from the shard that holds it;
+    the stale entry ignored), so load_sharded does too, and says so (hubkeys review)."""
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", {"m.norm": state["m.norm"]})
+    rest = {k: v for k, v in state.items() if k != "m.norm"}
+    write_safetensors(tmp_path / "s2.safetensors", rest)
+    listed = {"m.norm": "s1.safetensors", "m.experts.down_proj": "s1.safetensors"}  # wrong file
+    listed |= {"m.experts.gate_up_proj": "s2.safetensors", "rotary.inv_freq": "s2.safetensors"}
+    write_index(tmp_path, listed)
+    model = _fused_model()
+    with pytest.warns(UserWarning) as caught:
+        report = load_sharded(model, tmp_path)
+    (warning,) = [w for w in caught if "index" in str(w.message)]
+    message = str(warning.message)
+    assert warning.filename == __file__  # at the caller's line
+    assert "2 key(s) are not in the shard the index names" in message
+    assert "'m.experts.down_proj' (read from s2.safetensors)" in message
+    assert "'rotary.inv_freq' (in no shard: left out)" in message
+    for k, v in state.items():
+        assert torch.equal(_state(model)[k], v), k
+    assert report.unused_keys == []
 
 
 def test_error_names_the_expert_key_of_another_dtype_and_its_file(tmp_path):
@@ -1063,3 +1091,64 @@ def test_ctrl_c_while_the_model_takes_its_tensors_finishes_first(tmp_path, monke
     assert len(calls) == 3
     for k, v in state.items():
         assert torch.equal(_state(model)[k], v), k
+
+
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 6, device="meta")
+        self.head = nn.Linear(6, 12, bias=False, device="meta")
+        self.head.weight = self.embed.weight  # one tensor, two names
+
+
+def test_a_tie_the_checkpoint_holds_apart_is_refused_before_anything_is_loaded(tmp_path):
+    """A tied model and a checkpoint saved untied (its own, different head): one key loaded into
+    the shared tensor gave a model with another head, silently (hubkeys review)."""
+    embed, head = torch.randn(12, 6), torch.randn(12, 6)
+    write_safetensors(tmp_path / "model.safetensors", {"embed.weight": embed, "head.weight": head})
+    model = _TiedHead()
+    with pytest.raises(LoadError, match=r"ties 'head.weight' to 'embed.weight'.*'head.weight'"):
+        load_sharded(model, tmp_path)
+    assert model.embed.weight.is_meta and model.head.weight is model.embed.weight  # untouched
+    # Equal copies (a .bin conversion keeps both) load as the one tensor, as do bf16 copies of it.
+    for dtype in (torch.float32, torch.bfloat16):
+        one = embed.to(dtype)
+        write_safetensors(
+            tmp_path / "model.safetensors", {"embed.weight": one, "head.weight": one.clone()}
+        )
+        model = _TiedHead()
+        report = load_sharded(model, tmp_path)
+        assert model.head.weight is model.embed.weight
+        assert torch.equal(model.embed.weight, one.float()) and report.unused_keys == []
+    # One copy in bf16 and one in fp32 of the same values: compared as values, not bytes.
+    half = embed.bfloat16()
+    write_safetensors(
+        tmp_path / "model.safetensors", {"embed.weight": half, "head.weight": half.float()}
+    )
+    load_sharded(_TiedHead(), tmp_path)
+    # A difference in the last row only is found (the rows are compared a block at a time).
+    other = half.clone()
+    other[-1, -1] += 1
+    write_safetensors(tmp_path / "model.safetensors", {"embed.weight": half, "head.weight": other})
+    with pytest.raises(LoadError, match="different values"):
+        load_sharded(_TiedHead(), tmp_path)
+
+
+def test_a_tied_transformers_config_against_an_untied_checkpoint_names_the_flag(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = tiny_mixtral_config()
+    config.tie_word_embeddings = True
+    folder = save_hf(tmp_path / "ckpt", config, max_shard_size="10MB")
+    state = load_file(str(folder / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    write_safetensors(folder / "model.safetensors", state)
+    with pytest.raises(LoadError, match=r"lm_head.weight.*tie_word_embeddings=False"):
+        load_sharded(meta_model(AutoConfig.from_pretrained(folder)), folder)
+    # What the message says to do loads both, as transformers' from_pretrained does.
+    model = meta_model(AutoConfig.from_pretrained(folder, tie_word_embeddings=False))
+    load_sharded(model, folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    assert torch.equal(ref.lm_head.weight, model.lm_head.weight)

@@ -717,3 +717,19 @@ def test_block_indices_kept_compact_equal_the_arrays():
         kept = _compact(rel, 128, used)
         assert isinstance(kept, tuple) == (rel[-1] - rel[0] == len(rel) - 1)
         assert np.array_equal(_expand(kept, len(rel)), np.searchsorted(used, rel // 128))
+
+
+def test_fp8_config_without_block_size_reads_128_blocks_as_transformers_does(tmp_path):
+    """transformers' FineGrainedFP8Config fills in 128 x 128 when `weight_block_size` is absent;
+    it was refused as per-tensor FP8 (hubkeys review). An explicit null (per-tensor) still is."""
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    shape = dict(e=2, h=137, i=40, r=131)  # over one block; odd, so no smaller block fits
+    want, _ = write_fp8(tmp_path, block=(128, 128), qc=qc, **shape)
+    model = meta_model("fp8", **shape)
+    load_sharded(model, tmp_path, device="cpu")
+    got = _state(model)
+    for k in want:
+        _exact(got[k], want[k], k)
+    write_fp8(tmp_path, block=(128, 128), qc=qc | {"weight_block_size": None}, **shape)
+    with pytest.raises(LoadError, match=r"per-tensor FP8 is not supported\), got None"):
+        load_sharded(meta_model("fp8", **shape), tmp_path, device="cpu")

@@ -52,6 +52,7 @@ from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, rea
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
 from grouped_ep.loading.targets import model_targets, put_in_model, warn_replaced
+from grouped_ep.loading.ties import refuse_split_tie
 from grouped_ep.moe.layers import MoE
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
@@ -296,13 +297,14 @@ def load_sharded(
     if any(t.tensor.is_meta for t in targets):  # `device` is where they go: it must hold them
         check_can_hold(device, "load_sharded: device")
     used: set[str] = set()
-    missing, todo, quantized = [], [], []
+    missing, todo, quantized, tied_copies = [], [], [], []
     try:
         with conversions_cached(model) as unprobed:
             for target in targets:
                 target.pieces = resolve_pieces(
                     target.names, tuple(target.tensor.shape), ckpt, key_map, model=model
                 )
+                tied_copies += refuse_split_tie(target, ckpt, key_map, model)
                 if not target.pieces and toggles:
                     # transformers' conversions that match the prefixed keys themselves (or rename
                     # the prefix: nemotron_h's `backbone.`): the names with the prefix added or
@@ -315,6 +317,7 @@ def load_sharded(
                         model=model,
                     )
         renamed = {old: new for new, old in key_names.items()}  # file key -> key in `ckpt`
+        used.update(renamed.get(k, k) for k in tied_copies)  # equal copies of a tied tensor
         for target in targets:
             shape = tuple(target.tensor.shape)
             hf_layout = False  # transformers' gpt-oss experts: the file's last two dims swapped

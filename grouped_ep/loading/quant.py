@@ -76,7 +76,8 @@ def read_quant_config(ckpt: Checkpoint) -> QuantConfig | None:
     if method == "mxfp4":
         return QuantConfig("mxfp4", (1, MXFP4_BLOCK), str(path))
     if method == "fp8":
-        block = qc.get("weight_block_size")
+        # transformers' FineGrainedFP8Config: absent means 128 x 128 blocks, null per-tensor
+        block = qc.get("weight_block_size", [128, 128])
         if (
             not isinstance(block, list)
             or len(block) != 2

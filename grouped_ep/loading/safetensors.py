@@ -12,6 +12,7 @@ import json
 import math
 import os
 import stat
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -351,6 +352,7 @@ def _open_checkpoint(path: Path) -> Checkpoint:
 
     weight_map = _read_index(index_path)
     base = index_path.parent
+    misplaced: dict[str, str] = {}  # key -> the shard the index names, which lacks it
     for key, name in weight_map.items():
         file_path = str(base / name)
         if file_path not in files:
@@ -371,9 +373,8 @@ def _open_checkpoint(path: Path) -> Checkpoint:
             unreadable[key] = header.unreadable[key]
             continue
         if key not in header.tensors:
-            raise LoadError(
-                f"{file_path}: missing key {key!r}, which {index_path.name} places there"
-            )
+            misplaced[key] = name  # found in another listed shard below, or in none
+            continue
         entries[key] = header.tensors[key]
     # A key a listed shard holds but the index does not list: transformers reads every key of
     # every shard the index names, so it counts (the index's file wins for a key it lists; of
@@ -381,11 +382,30 @@ def _open_checkpoint(path: Path) -> Checkpoint:
     for file_path in sorted(files):
         header = files[file_path]
         for key, entry in header.tensors.items():
-            if key not in weight_map:
+            if key not in weight_map or key in misplaced:
                 entries[key] = entry
                 unreadable.pop(key, None)
         for key, dtype in header.unreadable.items():
             if key not in weight_map:
                 unreadable[key] = dtype
                 entries.pop(key, None)
+    if misplaced:
+        _warn_misplaced(index_path, misplaced, entries)
     return Checkpoint(str(path), files, entries, unreadable)
+
+
+def _warn_misplaced(index_path: Path, misplaced: dict[str, str], entries: dict) -> None:
+    """Index entries whose shard lacks the key: read from the listed shard that holds it, or
+    left out (a stale entry), as transformers does; a missing key the model needs still fails."""
+    shown = [
+        f"{key!r} (read from {Path(entries[key].path).name})"
+        if key in entries
+        else f"{key!r} (in no shard: left out)"
+        for key in list(misplaced)[:3]
+    ]
+    more = f" and {len(misplaced) - 3} more" if len(misplaced) > 3 else ""
+    warnings.warn(
+        f"{index_path}: {len(misplaced)} key(s) are not in the shard the index names: "
+        f"{', '.join(shown)}{more}",
+        stacklevel=5,  # load_sharded's caller
+    )
