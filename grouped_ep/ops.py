@@ -155,13 +155,27 @@ def _args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
 def _gemm_dtensor(mode, func, types, args, kwargs=None):
     x, w, offs, trans_w = _args(args, kwargs or {}, ("x", "w", "offs", "trans_w"))
     _check_rows_match_experts(x, w)
-    out = func(
-        _local("gemm", "x", x, "rows split across ranks"),
-        _local("gemm", "w", w, "experts split across ranks"),
-        _local("gemm", "offs", offs, None),
-        trans_w,
-    )
+    local_x = _local("gemm", "x", x, "rows split across ranks")
+    local_w = _local("gemm", "w", w, "experts split across ranks")
+    local_offs = _local("gemm", "offs", offs, None)
+    _check_offs_per_local_expert(w, local_offs)
+    out = func(local_x, local_w, local_offs, trans_w)
     return _wrap_rows(out, x) if isinstance(x, DTensor) else out
+
+
+def _check_offs_per_local_expert(w, offs) -> None:
+    """One offset per expert of this rank's shard of a DTensor `w`, not per global expert: the
+    plain op's error would count the shard's experts without saying so (opfuzz review)."""
+    if not isinstance(w, DTensor) or not isinstance(offs, Tensor) or offs.dim() != 1:
+        return
+    local = w.to_local().shape[0]
+    if local != w.shape[0] and offs.shape[0] != local:
+        raise ValueError(
+            f"grouped_ep.gemm: offs has length {offs.shape[0]} but this rank's shard of w holds "
+            f"{local} of its {w.shape[0]} experts (w is {tuple(w.placements)} on "
+            f"{w.device_mesh.mesh_dim_names or 'its mesh'}); pass one cumulative end offset per "
+            "local expert, the rows this rank computes"
+        )
 
 
 def _gemm_wgrad_dtensor(mode, func, types, args, kwargs=None):

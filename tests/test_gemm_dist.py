@@ -140,6 +140,13 @@ def _errors_and_dtensor_tokens(rank: int, world: int):
             errors.append("")
         except ValueError as e:
             errors.append(str(e))
+    # One offset per global expert of a Shard(0) weight: named as the local count (the plain
+    # op's "w has 2 groups" contradicted w.shape).
+    try:
+        torch.ops.grouped_ep.gemm(x, distribute_tensor(w, mesh, [Shard(0)]), offs, False)
+        errors.append("")
+    except ValueError as e:
+        errors.append(str(e))
     # Tokens as a DTensor Shard(0): its local rows are this rank's; the output keeps its spec.
     x_dt = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
     out = torch.ops.grouped_ep.gemm(x_dt, w, offs, False)
@@ -158,7 +165,9 @@ def _errors_and_dtensor_tokens(rank: int, world: int):
 
 def test_bad_placements_name_argument_placement_and_mesh_dim():
     for rank, errors in enumerate(run_ranks(_errors_and_dtensor_tokens, 2, timeout=120)):
-        assert len(errors) == 4
+        assert len(errors) == 5
+        local = f"offs has length {len(SIZES)} but this rank's shard of w holds {len(SIZES) // 2} of its {len(SIZES)} experts"
+        assert local in errors[4] and "per local expert" in errors[4], errors[4]
         assert "w is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[0]
         assert "x is a DTensor with placement Shard(dim=1) on mesh dim 0 ('ep')" in errors[1]
         assert "offs is a DTensor with placement Shard(dim=0) on mesh dim 0 ('ep')" in errors[2]
