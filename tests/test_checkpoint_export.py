@@ -4,6 +4,7 @@ time and written by one rank each, and the export loads in transformers with equ
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -109,7 +110,23 @@ def test_a_failed_export_leaves_the_earlier_export_whole(tmp_path: Path, monkeyp
         ck.export_hf(model, out, max_shard_size="10KB")
     # Nothing of the earlier export changed and no temporary file is left: it still loads.
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # On a read-only mount, unlinking even a missing file is EROFS: the cleanup kept the
+    # error, and not its own OSError in place of it (crash review).
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self.name.startswith(".tmp-"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    calls.clear()
+    with pytest.raises(ck.CheckpointError, match="disk full"):
+        ck.export_hf(model, out, max_shard_size="10KB")
     monkeypatch.undo()
+    for p in out.glob(".tmp-*"):
+        p.unlink()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     _check_export(out)
     # A model that cannot be exported at all (still on meta) changes nothing either.
     with torch.device("meta"):

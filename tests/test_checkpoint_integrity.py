@@ -88,6 +88,78 @@ def test_files_of_another_save_are_refused(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, torch.ones(8, 16))
 
 
+def test_a_second_writer_into_one_root_is_refused_while_the_first_saves(tmp_path) -> None:
+    """Two saves into one root at once (a requeued job whose first instance still runs): the
+    second removed the first's step directory under it, and both reported saves that `load`
+    then refused (crash review). The first holds the root's lock until its commit."""
+    import fcntl
+
+    ck.save(tmp_path, _model(1.0), step=1)
+    with open(tmp_path / ".save-lock", "w") as held:  # another process's save, in flight
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ck.CheckpointError, match=r"another save into .* is in progress"):
+            ck.save(tmp_path, _model(2.0), step=2)
+        with pytest.raises(ck.CheckpointError, match=r"another save into"):
+            ck.save(tmp_path, _model(2.0), step=2, async_save=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            ".save-lock",
+            "latest",
+            "step-00000001",
+        ]
+    # The holder gone (a process that dies drops it too), the next save takes it and removes it.
+    (tmp_path / "latest.tmp-12345").write_text("step-0000")  # a `latest` write that died
+    ck.save(tmp_path, _model(2.0), step=2, async_save=True).result()
+    ck.save(tmp_path, _model(3.0), step=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        *(f"step-0000000{i}" for i in (1, 2, 3)),
+    ]
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.weight, torch.full((8, 16), 3.0))
+
+
+def test_a_full_disk_behind_the_zip_writers_error_is_named(tmp_path, monkeypatch) -> None:
+    """torch.save's zip writer on a full disk says "unexpected pos 704 vs 598", the ENOSPC only
+    in its context: the message names it (crash review)."""
+
+    def full(self, plan, planner):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        except OSError:
+            raise RuntimeError(  # noqa: B904 (torch's writer: the OSError only as context)
+                "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+            )
+
+    monkeypatch.setattr(dcp_module.ChecksumWriter, "write_data", full)
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"unexpected pos 704 vs 598 \(caused by OSError: \[Errno 28\] No space",
+    ):
+        ck.save(tmp_path, _model(2.0), step=2)
+
+
+def test_a_latest_write_that_fails_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    import grouped_ep.checkpoint.layout as layout
+
+    ck.save(tmp_path, _model(1.0), step=1)
+    real = layout.os.replace
+
+    def full(src, dst):
+        if Path(dst).name == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(layout.os, "replace", full)
+    with pytest.raises(ck.CheckpointError, match=r"step-00000001 is complete and holds this save"):
+        ck.save(tmp_path, _model(2.0), step=1)  # the same step again: the new copy is in place
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.weight, torch.full((8, 16), 2.0))
+
+
 def test_failed_save_removes_its_partial_step_and_says_the_space(tmp_path, monkeypatch) -> None:
     """A save that hit a full disk left its partial `.tmp-step-N` behind (the disk stayed full
     until the next save) with the writer's message only."""
@@ -171,6 +243,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     except ck.CheckpointError as e:
         out["async"] = str(e)
     layout.write_text_atomic = real
+    out["step2_in_place"] = ck.resolve(Path(root) / "step-00000002").name  # complete, loadable
     ck.save(root, model, step=3)  # the failure was read: nothing is raised again
     out["latest"] = ck.resolve(root).name
     # `extra` given on rank 0 only: every rank gets rank 0's (the last change made this
@@ -212,7 +285,12 @@ def test_two_ranks_missing_extra_and_async_commit_failure(tmp_path: Path) -> Non
     assert results[0]["single_sizes"][0] == 0  # the case is still the one described
     for r in results:
         assert "extra-rank00001.pt is missing" in r["missing_extra"], r
-        assert "committing" in r["async"] and "No space left" in r["async"], r
+        # The step went in place before `latest` failed: said so (it said "the partial step
+        # was removed", and a same-step save had lost the previous copy; crash review).
+        assert "step-00000002 is complete and holds this save" in r["async"], r
+        assert "pointing `latest` at it failed" in r["async"] and "No space left" in r["async"]
+        assert "`latest` still names 'step-00000001'" in r["async"], r
+        assert r["step2_in_place"] == "step-00000002"
         assert r["latest"] == "step-00000003"
         assert r["rank0_extra"] == {"step": 4}, r
         assert "No space left" in r["failed_save"] and r["retry"] == "step-00000005", r

@@ -35,3 +35,63 @@ def test_ranks_exit_cleanly_after_load_sharded(tmp_path: Path) -> None:
     assert result["jobs"] == JOBS
     logs = "\n".join(Path(b["log"]).read_text(errors="replace")[-2000:] for b in result["bad"])
     assert result["bad"] == [], f"{result['bad']}\n{logs}"
+
+
+_REWRITER = """
+import sys
+path, a, b = sys.argv[1:4]
+pieces = [open(p, "rb").read() for p in (a, b)]
+print("ready", flush=True)
+i = 0
+while True:  # in place, as rsync --inplace or a writer opening it "r+b": same inode, same size
+    with open(path, "r+b") as f:
+        data = pieces[i % 2]
+        for o in range(0, len(data), 1 << 20):
+            f.write(data[o : o + (1 << 20)])
+            f.flush()
+    i += 1
+"""
+
+
+@pytest.mark.slow
+def test_a_file_rewritten_in_place_during_the_load_is_never_read_mixed(tmp_path: Path) -> None:
+    """A writer rewriting the checkpoint in place while `load_sharded` read it gave tensors part
+    old, part new, with no error (crash review: 2 of 5 loads): the reader checked the file's
+    identity only when it opened it. Every load now gives one version whole, or a LoadError."""
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    import grouped_ep
+
+    n = 8 << 20  # 32 MiB of fp32: a read spans several of the kernel's timestamp ticks
+    path, a, b = tmp_path / "ckpt" / "model.safetensors", tmp_path / "a", tmp_path / "b"
+    path.parent.mkdir()
+    save_file({"w": torch.full((n,), 1.0)}, str(a))
+    save_file({"w": torch.full((n,), 2.0)}, str(b))
+    path.write_bytes(a.read_bytes())
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _REWRITER, str(path), str(a), str(b)], stdout=subprocess.PIPE
+    )
+    outcomes = {"whole": 0, "mixed": 0, "refused": 0}
+    try:
+        assert writer.stdout.readline().strip() == b"ready"
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            model = nn.Module()
+            model.w = nn.Parameter(torch.empty(n, device="meta"))
+            try:
+                grouped_ep.load_sharded(model, path.parent, progress=False)
+            except grouped_ep.LoadError as e:
+                assert "the file changed since its header was read" in str(e), e
+                outcomes["refused"] += 1
+                continue
+            w = model.w.detach()
+            whole = bool((w == 1.0).all()) or bool((w == 2.0).all())
+            outcomes["whole" if whole else "mixed"] += 1
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert outcomes["mixed"] == 0 and outcomes["refused"] > 0, outcomes

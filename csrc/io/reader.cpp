@@ -192,6 +192,11 @@ class Files {
              "; or a new modification time): it was replaced or rewritten during the load, "
              "load again once it is complete");
   }
+  void check_all_unchanged(const std::vector<int64_t>& expect) const {
+    for (size_t i = 0; !expect.empty() && i < fds_.size(); ++i) {
+      check_unchanged(fds_[i], paths_[i], &expect[4 * i]);
+    }
+  }
   const std::string& path(int64_t i) const { return paths_[i]; }
 
  private:
@@ -368,6 +373,10 @@ int64_t read_ranges_cpu(const std::vector<std::string>& paths, at::TensorList ou
     work();
   }  // every thread joined here
   GE_CHECK(!failed.load(), op, ": ", error);
+  // Again after the reads: a file rewritten in place while they ran (`rsync --inplace`, a
+  // writer opening it "r+b") kept its inode and size, and gave part-old, part-new bytes
+  // silently (a review); its modification time moved.
+  files.check_all_unchanged(identity);
   return total;
 }
 

@@ -80,9 +80,23 @@ def failures(e: CheckpointException) -> str:
     """Each failed rank's own error in DCP's `CheckpointException` first, then DCP's report
     with the tracebacks."""
     own = "; ".join(
-        f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items())
+        f"rank {r}: {type(exc).__name__}: {exc}{_os_cause(exc)}"
+        for r, (exc, _) in sorted(e.failures.items())
     )
     return f"{own}\n{e}" if own else str(e)
+
+
+def _os_cause(error: BaseException) -> str:
+    """The OSError behind `error` when it is only in its chain: torch.save's zip writer on a
+    full disk says "unexpected pos 704 vs 598", ENOSPC in its `__context__` (crash review)."""
+    seen: set[int] = set()
+    e = error.__cause__ or error.__context__
+    while e is not None and id(e) not in seen and not isinstance(error, OSError):
+        if isinstance(e, OSError):
+            return f" (caused by {type(e).__name__}: {e})"
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return ""
 
 
 def gather_errors(error: BaseException | None) -> dict[int, str]:

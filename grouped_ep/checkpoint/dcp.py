@@ -65,8 +65,12 @@ from grouped_ep.checkpoint.fit import tied_groups
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
     FORMAT_VERSION,
+    LATEST_FILE,
     TMP_PREFIX,
+    LatestNotUpdated,
+    RootLock,
     commit_step,
+    latest_name,
     next_step,
     prune,
     restore_swapped_out,
@@ -184,6 +188,7 @@ def save(
             )
         try:
             root.mkdir(parents=True, exist_ok=True)
+            lock.acquire(root)  # before anything in the root is read or removed
             s = next_step(root) if step is None else step
             tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
             restore_swapped_out(root)
@@ -192,134 +197,156 @@ def save(
             for old in root.glob(f"{TMP_PREFIX}*"):
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
+            for old in root.glob(f"{LATEST_FILE}.tmp-*"):  # a `latest` write that died
+                old.unlink(missing_ok=True)
             tmp.mkdir()
             (tmp / SAVE_ID_FILE).write_text(save_id)
         except OSError as e:
+            lock.release()
             raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
+        except BaseException:
+            lock.release()
+            raise
         return s, tmp.name, save_id
 
     save_id = uuid.uuid4().hex
 
+    lock = RootLock()  # rank 0's, from preparing the step until its commit
     step_, tmp_name, save_id = on_rank0(prepare)
-    tmp = root / tmp_name
-    final = root / step_dir_name(step_)
-
-    def failed(what: str, detail: str, group: Any = None) -> CheckpointError:
-        """The save's error, once every rank has stopped writing (collective, over `group`):
-        rank 0 removes the partial step (a full disk stays full otherwise; one rank, so that no
-        rank removes the directory of a retry rank 0 has begun) and says the free space."""
-
-        try:
-            free = on_rank0(lambda: _remove_partial(tmp, root), group=group)
-        except CheckpointError:
-            free = ""
-        return CheckpointError(
-            f"{what} (the partial step was removed{free}; `latest` still names the previous "
-            f"checkpoint): {detail}"
-        )
-
-    try:  # a rank whose `root` is another directory (a node's own disk) would write elsewhere
-        all_ok(_sees(tmp, save_id), "save: finding the step directory rank 0 made")
-    except CheckpointError as e:
-        raise failed(f"save: the ranks do not share {root}", str(e)) from e
-
-    error, files = None, {}
-    if extra is not None:
-        try:
-            files = write_extra(tmp, rank(), extra)
-        except BaseException as e:  # Ctrl-C too: every rank stops, the partial step goes
-            error = e
+    handed_off = False
     try:
-        all_ok(error, f"save: writing extra into {tmp}")
-    except CheckpointError as e:
-        cleaned = failed(f"save: writing extra into {tmp} failed", str(e))
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
-            raise error from cleaned  # Ctrl-C stays Ctrl-C
-        raise cleaned from e
+        tmp = root / tmp_name
+        final = root / step_dir_name(step_)
 
-    manifest = {
-        "format": FORMAT_VERSION,
-        "step": step_,
-        "world_size": world(),
-        "has_optimizer": optimizer is not None,
-        "has_extra": extra is not None,
-        "checksums": CHECKSUMS,  # every chunk's CRC32C, beside the data files (checksum.py)
-        "save_id": save_id,  # in every checksum table too
-        "torch": torch.__version__,
-        "tied": tied_groups(model),  # keys of one shared tensor: `load` refuses them split
-    }
+        def failed(what: str, detail: str, group: Any = None) -> CheckpointError:
+            """The save's error, once every rank has stopped writing (collective, over `group`):
+            rank 0 removes the partial step (a full disk stays full otherwise; one rank, so that no
+            rank removes the directory of a retry rank 0 has begun) and says the free space."""
 
-    def commit() -> Path:
-        try:
-            (tmp / SAVE_ID_FILE).unlink(missing_ok=True)  # every rank found it: done with
-            problems = describe(tmp).problems  # every rank's data file there and long enough
-            if problems:
-                free = _remove_partial(tmp, root)
-                raise CheckpointError(
-                    f"save: {tmp} is incomplete and was not committed (removed{free}; `latest` still "
-                    f"names the previous checkpoint): {'; '.join(problems[:5])}"
-                )
             try:
-                commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
-            except OSError as e:
-                free = _remove_partial(tmp, root)  # rank 0 alone: the others wait for it
-                raise CheckpointError(
-                    f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
-                    f"{free}; `latest` still names the previous checkpoint"
-                ) from e
-            if keep_last is not None:
-                try:
-                    prune(root, keep_last)
-                except OSError as e:  # the step is committed: not a failed save
-                    warnings.warn(
-                        f"save: {final} is committed (`latest` names it), but removing older steps "
-                        f"for keep_last={keep_last} failed: {e}",
-                        stacklevel=4,  # the caller of save (through on_rank0)
-                    )
-            return final
-        except (KeyboardInterrupt, SystemExit):  # rank 0 alone: nothing collective to wait for
-            _remove_partial(tmp, root)  # nothing where the rename to `final` happened
-            raise
+                free = on_rank0(lambda: _remove_partial(tmp, root), group=group)
+            except CheckpointError:
+                free = ""
+            return CheckpointError(
+                f"{what} (the partial step was removed{free}; `latest` still names the previous "
+                f"checkpoint): {detail}"
+            )
 
-    writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
-    group = async_group() if async_save else None  # the same one in the background thread
-    try:
-        with dcp_quiet():
-            if async_save:
-                # Blocks only while the state is copied to CPU memory; writes in a thread.
-                upload = dcp.async_save(
-                    state,
-                    storage_writer=writer,
-                    planner=CompactSavePlanner(),
-                    process_group=group,
-                    no_dist=not distributed(),
-                )
-            else:
-                dcp.save(
-                    state,
-                    storage_writer=writer,
-                    planner=CompactSavePlanner(),
-                    no_dist=not distributed(),
-                )
-    except CheckpointException as e:  # raised on every rank when any rank failed
-        error = failed(f"save to {tmp} failed", failures(e))
-        own = e.failures.get(rank())
-        interrupt = _interrupt_in(own[0]) if own is not None else None
-        if interrupt is not None:
-            raise interrupt from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
-        raise error from e
-    if not async_save:
-        return on_rank0(commit)
+        try:  # a rank whose `root` is another directory (a node's own disk) would write elsewhere
+            all_ok(_sees(tmp, save_id), "save: finding the step directory rank 0 made")
+        except CheckpointError as e:
+            raise failed(f"save: the ranks do not share {root}", str(e)) from e
 
-    def finish() -> Path:
+        error, files = None, {}
+        if extra is not None:
+            try:
+                files = write_extra(tmp, rank(), extra)
+            except BaseException as e:  # Ctrl-C too: every rank stops, the partial step goes
+                error = e
         try:
-            upload.result()
-        except CheckpointException as e:  # on every rank (DCP gathers the failures)
-            raise failed(f"async save to {tmp} failed", failures(e), group) from e
-        # On the save's own group: every rank's handle says whether the step was committed.
-        return on_rank0(commit, group=group)
+            all_ok(error, f"save: writing extra into {tmp}")
+        except CheckpointError as e:
+            cleaned = failed(f"save: writing extra into {tmp} failed", str(e))
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise error from cleaned  # Ctrl-C stays Ctrl-C
+            raise cleaned from e
 
-    return background.start(final, finish)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step_,
+            "world_size": world(),
+            "has_optimizer": optimizer is not None,
+            "has_extra": extra is not None,
+            "checksums": CHECKSUMS,  # every chunk's CRC32C, beside the data files (checksum.py)
+            "save_id": save_id,  # in every checksum table too
+            "torch": torch.__version__,
+            "tied": tied_groups(model),  # keys of one shared tensor: `load` refuses them split
+        }
+
+        def commit() -> Path:
+            try:
+                (tmp / SAVE_ID_FILE).unlink(missing_ok=True)  # every rank found it: done with
+                problems = describe(tmp).problems  # every rank's data file there and long enough
+                if problems:
+                    free = _remove_partial(tmp, root)
+                    raise CheckpointError(
+                        f"save: {tmp} is incomplete and was not committed (removed{free}; `latest` still "
+                        f"names the previous checkpoint): {'; '.join(problems[:5])}"
+                    )
+                try:
+                    commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+                except LatestNotUpdated as e:  # nothing to remove: the step is complete
+                    raise CheckpointError(
+                        f"save: {final} is complete and holds this save, but pointing `latest` "
+                        f"at it failed ({e}); `latest` still names {latest_name(root)}: load "
+                        f"{final} by its path, or free space and save again"
+                    ) from e
+                except OSError as e:
+                    free = _remove_partial(tmp, root)  # rank 0 alone: the others wait for it
+                    raise CheckpointError(
+                        f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
+                        f"{free}; `latest` still names the previous checkpoint"
+                    ) from e
+                if keep_last is not None:
+                    try:
+                        prune(root, keep_last)
+                    except OSError as e:  # the step is committed: not a failed save
+                        warnings.warn(
+                            f"save: {final} is committed (`latest` names it), but removing older steps "
+                            f"for keep_last={keep_last} failed: {e}",
+                            stacklevel=4,  # the caller of save (through on_rank0)
+                        )
+                return final
+            except (KeyboardInterrupt, SystemExit):  # rank 0 alone: nothing collective to wait for
+                _remove_partial(tmp, root)  # nothing where the rename to `final` happened
+                raise
+
+        writer = ChecksumWriter(str(tmp), save_id, files, overwrite=True)
+        group = async_group() if async_save else None  # the same one in the background thread
+        try:
+            with dcp_quiet():
+                if async_save:
+                    # Blocks only while the state is copied to CPU memory; writes in a thread.
+                    upload = dcp.async_save(
+                        state,
+                        storage_writer=writer,
+                        planner=CompactSavePlanner(),
+                        process_group=group,
+                        no_dist=not distributed(),
+                    )
+                else:
+                    dcp.save(
+                        state,
+                        storage_writer=writer,
+                        planner=CompactSavePlanner(),
+                        no_dist=not distributed(),
+                    )
+        except CheckpointException as e:  # raised on every rank when any rank failed
+            error = failed(f"save to {tmp} failed", failures(e))
+            own = e.failures.get(rank())
+            interrupt = _interrupt_in(own[0]) if own is not None else None
+            if interrupt is not None:
+                raise interrupt from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
+            raise error from e
+        if not async_save:
+            return on_rank0(commit)
+
+        def finish() -> Path:
+            try:
+                try:
+                    upload.result()
+                except CheckpointException as e:  # on every rank (DCP gathers the failures)
+                    raise failed(f"async save to {tmp} failed", failures(e), group) from e
+                # On the save's own group: every rank's handle says whether it was committed.
+                return on_rank0(commit, group=group)
+            finally:
+                lock.release()
+
+        handed_off = True  # the background job releases the lock
+        return background.start(final, finish)
+    finally:
+        if not handed_off:
+            lock.release()
 
 
 def _sees(tmp: Path, save_id: str) -> CheckpointError | None:

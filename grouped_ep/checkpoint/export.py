@@ -30,6 +30,7 @@ and no single-file `model.safetensors`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -145,8 +146,9 @@ def export_hf(
     # readable until every rank has written all of its files, and a failed export removes its
     # own temporary files and changes nothing else.
     def remove_tmp() -> None:
-        for name in names:
-            (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+        for name in names:  # never in place of the error that brought us here (a read-only
+            with contextlib.suppress(OSError):  # mount says EROFS even for a missing file)
+                (out_dir / f".tmp-{name}").unlink(missing_ok=True)
         shutil.rmtree(staged, ignore_errors=True)
 
     def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go

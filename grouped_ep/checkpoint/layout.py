@@ -8,8 +8,10 @@ root/
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import METADATA_FILE
 
 LATEST_FILE = "latest"
+LOCK_FILE = ".save-lock"  # see RootLock
 MANIFEST_FILE = "grouped_ep.json"
 # The manifest's "format". 1: every save before 2026-11-26 (its fields grew over time: "checksums"
 # "crc32" then "crc32c", "save_id", "tied"); 2: the first that `load` checks, refusing a newer one.
@@ -37,11 +40,16 @@ def step_dir_name(step: int) -> str:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temporary file left behind for good
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -145,10 +153,68 @@ def commit_step(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) ->
             os.rename(tmp, final)
     else:
         os.rename(tmp, final)
-    write_text_atomic(root / LATEST_FILE, final.name + "\n")
-    fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:  # `final` is complete and holds this save from here on
+        write_text_atomic(root / LATEST_FILE, final.name + "\n")
+        fsync_dir(root)
+    except OSError as e:
+        raise LatestNotUpdated(str(e)) from e
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class LatestNotUpdated(Exception):
+    """`commit_step` put the step in place but could not point `latest` at it."""
+
+
+def latest_name(root: Path) -> str:
+    """What `root/latest` names, for messages."""
+    try:
+        return repr((root / LATEST_FILE).read_text().strip())
+    except OSError:
+        return "nothing (it cannot be read)"
+
+
+class RootLock:
+    """An exclusive lock on a checkpoint root, held by rank 0 from preparing a save's step until
+    its commit. A second writer (a requeued job whose first instance still runs) is refused:
+    it removed the first save's step directory under it, and both reported saves that `load`
+    refused (crash review). The kernel drops the lock of a process that dies; the file goes
+    with the release. On a file system without `flock` the save goes on unlocked."""
+
+    def __init__(self) -> None:
+        self.fd, self.path = -1, None
+
+    def acquire(self, root: Path) -> None:
+        path = root / LOCK_FILE
+        for _ in range(100):  # the holder may remove the file between our open and our flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise CheckpointError(
+                    f"save: another save into {root} is in progress (it holds {path}): one "
+                    "writer per checkpoint root; wait for it to finish, or save elsewhere"
+                ) from None
+            except OSError:  # no flock here (some network file systems)
+                os.close(fd)
+                return
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    self.fd, self.path = fd, path
+                    return
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # locked a file already removed: take the one at `path` now
+        raise CheckpointError(f"save: cannot lock {path}: it keeps being replaced")
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                self.path.unlink()  # while still held: no other save has it open and locked
+            os.close(fd)
 
 
 def swapped_out(root: Path, name: str) -> Path | None:
