@@ -158,17 +158,17 @@ def _gemm_dtensor(mode, func, types, args, kwargs=None):
     local_x = _local("gemm", "x", x, "rows split across ranks")
     local_w = _local("gemm", "w", w, "experts split across ranks")
     local_offs = _local("gemm", "offs", offs, None)
-    _check_offs_per_local_expert(w, local_offs)
+    _check_offs_per_local_expert(w, local_w, local_offs)
     out = func(local_x, local_w, local_offs, trans_w)
     return _wrap_rows(out, x) if isinstance(x, DTensor) else out
 
 
-def _check_offs_per_local_expert(w, offs) -> None:
+def _check_offs_per_local_expert(w, local_w, offs) -> None:
     """One offset per expert of this rank's shard of a DTensor `w`, not per global expert: the
     plain op's error would count the shard's experts without saying so (opfuzz review)."""
     if not isinstance(w, DTensor) or not isinstance(offs, Tensor) or offs.dim() != 1:
         return
-    local = w.to_local().shape[0]
+    local = local_w.shape[0]
     if local != w.shape[0] and offs.shape[0] != local:
         raise ValueError(
             f"grouped_ep.gemm: offs has length {offs.shape[0]} but this rank's shard of w holds "

@@ -89,14 +89,20 @@ def failures(e: CheckpointException) -> str:
 def _os_cause(error: BaseException) -> str:
     """The OSError behind `error` when it is only in its chain: torch.save's zip writer on a
     full disk says "unexpected pos 704 vs 598", ENOSPC in its `__context__` (crash review)."""
+    cause = None if isinstance(error, OSError) else in_chain(error, OSError)
+    return f" (caused by {type(cause).__name__}: {cause})" if cause is not None else ""
+
+
+def in_chain(error: BaseException, types) -> BaseException | None:
+    """The first exception of `types` among `error` and its causes and contexts, or None."""
     seen: set[int] = set()
-    e = error.__cause__ or error.__context__
-    while e is not None and id(e) not in seen and not isinstance(error, OSError):
-        if isinstance(e, OSError):
-            return f" (caused by {type(e).__name__}: {e})"
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, types):
+            return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
-    return ""
+    return None
 
 
 def gather_errors(error: BaseException | None) -> dict[int, str]:

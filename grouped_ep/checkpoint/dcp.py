@@ -54,6 +54,7 @@ from grouped_ep.checkpoint.collective import (
     dcp_quiet,
     distributed,
     failures,
+    in_chain,
     on_rank0,
     rank,
     same_on_every_rank,
@@ -88,14 +89,7 @@ def _interrupt_in(error: BaseException) -> BaseException | None:
     """The KeyboardInterrupt or SystemExit that `error` is, or that caused it: Ctrl-C inside
     torch.save's zip writer came back as its RuntimeError ("unexpected pos"), the interrupt only
     in its `__context__` (a review)."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return in_chain(error, (KeyboardInterrupt, SystemExit))
 
 
 def _remove_partial(tmp: Path, root: Path) -> str:
@@ -202,19 +196,15 @@ def save(
             tmp.mkdir()
             (tmp / SAVE_ID_FILE).write_text(save_id)
         except OSError as e:
-            lock.release()
             raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
-        except BaseException:
-            lock.release()
-            raise
         return s, tmp.name, save_id
 
     save_id = uuid.uuid4().hex
 
     lock = RootLock()  # rank 0's, from preparing the step until its commit
-    step_, tmp_name, save_id = on_rank0(prepare)
     handed_off = False
     try:
+        step_, tmp_name, save_id = on_rank0(prepare)
         tmp = root / tmp_name
         final = root / step_dir_name(step_)
 

@@ -352,7 +352,7 @@ def _open_checkpoint(path: Path) -> Checkpoint:
 
     weight_map = _read_index(index_path)
     base = index_path.parent
-    misplaced: dict[str, str] = {}  # key -> the shard the index names, which lacks it
+    misplaced: set[str] = set()  # keys whose shard, as the index names it, lacks them
     for key, name in weight_map.items():
         file_path = str(base / name)
         if file_path not in files:
@@ -373,7 +373,7 @@ def _open_checkpoint(path: Path) -> Checkpoint:
             unreadable[key] = header.unreadable[key]
             continue
         if key not in header.tensors:
-            misplaced[key] = name  # found in another listed shard below, or in none
+            misplaced.add(key)  # found in another listed shard below, or in none
             continue
         entries[key] = header.tensors[key]
     # A key a listed shard holds but the index does not list: transformers reads every key of
@@ -394,14 +394,14 @@ def _open_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(str(path), files, entries, unreadable)
 
 
-def _warn_misplaced(index_path: Path, misplaced: dict[str, str], entries: dict) -> None:
+def _warn_misplaced(index_path: Path, misplaced: set[str], entries: dict) -> None:
     """Index entries whose shard lacks the key: read from the listed shard that holds it, or
     left out (a stale entry), as transformers does; a missing key the model needs still fails."""
     shown = [
         f"{key!r} (read from {Path(entries[key].path).name})"
         if key in entries
         else f"{key!r} (in no shard: left out)"
-        for key in list(misplaced)[:3]
+        for key in sorted(misplaced)[:3]
     ]
     more = f" and {len(misplaced) - 3} more" if len(misplaced) > 3 else ""
     warnings.warn(
