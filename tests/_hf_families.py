@@ -156,14 +156,18 @@ def families() -> list[Family]:
             mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         except Exception:  # noqa: BLE001 (a package without modeling file, or missing extras)
             continue
-        experts = [
-            c
-            for c in vars(mod).values()
-            if isinstance(c, type) and c.__module__ == mod.__name__ and _is_experts_class(c)
-        ]
+        experts = _experts_classes(mod)
         if experts:
             found[name] = _resolve(name, mod, experts[0])
     return [found[k] for k in sorted(found)]
+
+
+def _experts_classes(mod) -> list[type]:
+    return [
+        c
+        for c in vars(mod).values()
+        if isinstance(c, type) and c.__module__ == mod.__name__ and _is_experts_class(c)
+    ]
 
 
 def _resolve(name: str, mod, experts_class: type) -> Family:
@@ -407,8 +411,21 @@ def build(family: Family, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
+@cache
 def family(name: str) -> Family:
-    """The family with this `model_type`."""
+    """The family with this `model_type`: from its own package when that is where it lives (one
+    import; the rank processes of the tests build a few families each), else from `families()`
+    (which imports every `modeling_*` module of transformers: about 20 s)."""
+    package = name.replace("-", "_")
+    try:
+        mod = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except Exception:  # noqa: BLE001 (not a package of that name: the full walk decides)
+        mod = None
+    experts = _experts_classes(mod) if mod is not None else []
+    if experts:
+        found = _resolve(package, mod, experts[0])
+        if found.name == name:
+            return found
     for f in families():
         if f.name == name:
             return f

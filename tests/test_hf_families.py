@@ -13,12 +13,12 @@ import pytest
 import torch
 import transformers
 from _dist import run_ranks
-from _hf_families import build, buildable, family, tiny_config
+from _hf_families import build, buildable, family
+from _hf_family_ranks import ep_worker, ids, logits_and_grads, resume_worker
 
 import grouped_ep.hf  # noqa: F401  (registers "grouped_ep")
 
 TOL = 1e-5
-SEQ = 7
 FAMILIES = [f.name for f in buildable()]
 # dp 2 x ep 2 on 4 ranks: a sample with shared experts, biases + interleaved gate, plain.
 DP2_EP2 = [n for n in ("qwen2_moe", "gpt_oss", "mixtral") if n in FAMILIES]
@@ -39,21 +39,6 @@ def _families(test: str, names: list[str]) -> list:
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", module="transformers")
-
-
-def ids(world: int) -> torch.Tensor:
-    """`[world, 2, SEQ]` token ids, rank r's batch at `[r]`."""
-    return torch.randint(3, 64, (world, 2, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def logits_and_grads(model, tokens):
-    model.zero_grad()
-    out = model(tokens, use_cache=False)
-    loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens.flatten())
-    loss.backward()
-    return out.logits.detach(), {
-        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
-    }
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -96,68 +81,6 @@ def test_export_hf_from_pretrained(name, tmp_path):
     torch.testing.assert_close(got, want, atol=TOL, rtol=0)
 
 
-def _ep_worker(rank: int, world: int, root: str, names: list[str], dp: int) -> dict:
-    """Per family: meta build -> parallelize -> load_sharded -> forward, backward, AdamW,
-    checkpoint.save. Errors are kept per family (a family failing alone does not stop the rest
-    as long as every rank fails the same way)."""
-    from grouped_ep import checkpoint, load_sharded
-    from grouped_ep.hf import parallelize
-    from grouped_ep.parallel import make_mesh
-
-    transformers.logging.set_verbosity_error()
-    mesh = make_mesh(dp, world // dp)
-    tokens = ids(world)[rank]
-    out = {}
-    for name in names:
-        try:
-            fam = family(name)
-            with torch.device("meta"):
-                model = fam.model_class(tiny_config(fam))
-            parallelize(model, mesh)
-            load_sharded(model, f"{root}/{name}/hf", device="cpu")
-            # Compared forwards run in eval mode: some routers add noise in training (phimoe's
-            # sparsemixer jitter), and the reference is an eval forward.
-            model.eval()
-            with torch.no_grad():
-                res = {"logits": model(tokens, use_cache=False).logits}
-            model.train()
-            logits = model(tokens, use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-            loss.backward()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-            opt.step()
-            model.eval()
-            with torch.no_grad():
-                res["after"] = model(tokens, use_cache=False).logits
-            checkpoint.save(f"{root}/{name}/ckpt", model, opt, step=1)
-            out[name] = res
-        except Exception as e:  # noqa: BLE001 (kept per family, asserted by the test)
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-    return out
-
-
-def _resume_worker(rank: int, world: int, root: str, names: list[str]) -> dict:
-    """Per family: the 2-rank checkpoint loaded at this world size, logits after the step."""
-    from grouped_ep import checkpoint
-    from grouped_ep.hf import parallelize
-    from grouped_ep.parallel import make_mesh
-
-    transformers.logging.set_verbosity_error()
-    mesh = make_mesh(1, world)
-    out = {}
-    for name in names:
-        try:
-            model = build(family(name), seed=123)  # other weights: the load must replace them
-            parallelize(model, mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-            checkpoint.load(f"{root}/{name}/ckpt", model, opt)
-            with torch.no_grad():
-                out[name] = {"after": model(ids(2)[0], use_cache=False).logits}
-        except Exception as e:  # noqa: BLE001
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-    return out
-
-
 @functools.cache
 def _dist_results(root: str, names: tuple[str, ...], dp: int) -> tuple[list, list | None]:
     for name in names:
@@ -166,10 +89,10 @@ def _dist_results(root: str, names: tuple[str, ...], dp: int) -> tuple[list, lis
     # 4 ranks share the CI machine's 2 cores: each runs at about half the speed of 2 ranks. (The
     # 3 families of DP2_EP2 took 44-50 s on an Intel Xeon, 2 cores; one CI run timed out at 105 s.)
     timeout = (60 + 15 * len(names)) * max(1, world // 2)
-    ranks = run_ranks(_ep_worker, world, root, list(names), dp, timeout=timeout)
+    ranks = run_ranks(ep_worker, world, root, list(names), dp, timeout=timeout)
     resumed = None
     if dp == 1:
-        resumed = run_ranks(_resume_worker, 1, root, list(names), timeout=60 + 8 * len(names))
+        resumed = run_ranks(resume_worker, 1, root, list(names), timeout=60 + 8 * len(names))
     return ranks, resumed
 
 
