@@ -9,8 +9,12 @@
 
     results = run_ranks(body, 2, 3, timeout=120)   # [3.0, 3.0], one entry per rank
 
-Each rank is a fresh spawned process with the default process group already initialized (gloo,
-a free TCP port on localhost) and one intra-op thread (the CI machine has few cores). `fn` is
+Each rank is a fresh process with the default process group already initialized (gloo, a free
+TCP port on localhost) and one intra-op thread (the CI machine has few cores). Ranks are forked
+from a fork server that has imported torch and transformers once: a spawned rank spent about 8 s
+of CPU importing them (tests/test_parallel_dist.py took 159 s with spawned ranks, 40 s forked, on
+a 2-core EPYC). Each rank takes the caller's environment and its stdout / stderr at its start, as
+a spawned process would (tests/test_dist_harness.py). `fn` is
 called as `fn(rank, world_size, *args)`; its return value must be picklable (tensors included:
 they come back by value). When a rank raises,
 the other ranks are killed and `RankError` is raised with that rank's traceback; when the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import os
 import pickle
 import queue
@@ -34,6 +39,47 @@ from typing import Any
 from unittest import mock
 
 import torch.multiprocessing as mp
+
+# Imported once by the fork server; a rank imports the rest (grouped_ep included: it reads
+# GROUPED_EP_BACKEND at import, which a test may set) after taking the caller's environment.
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers.modeling_utils",
+    "safetensors.torch",
+]
+
+
+@functools.cache
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _Caller:
+    """The caller's environment and stdout / stderr, adopted by a rank when it is unpickled
+    (first of its arguments, so before the test's module is imported). A fork server's child
+    otherwise has the server's, fixed when the server started."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_adopt, (self.env, reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _adopt(env: dict[str, str], out, err) -> None:
+    for fd, dup in ((1, out), (2, err)):
+        got = dup.detach()
+        os.dup2(got, fd)
+        os.close(got)
+    os.environ.clear()
+    os.environ.update(env)
 
 
 class RankError(RuntimeError):
@@ -48,7 +94,14 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results
+    caller: None,
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    fn: Callable,
+    args: tuple,
+    results,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -111,20 +164,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     Returns:
         A list with rank r's return value at index r.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, port, timeout, fn, args, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
     # The ranks are gloo processes on CPU: a GPU machine's devices are hidden from them (make_mesh
-    # and load_sharded would otherwise default to cuda there), so they run as they do in CI.
+    # and load_sharded would otherwise default to cuda there), so they run as they do in CI. The
+    # fork server, started by the first call, has them hidden too.
     with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):
+        caller = _Caller(dict(os.environ))
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(caller, rank, world_size, port, timeout, fn, args, results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
         for p in procs:
             p.start()
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
