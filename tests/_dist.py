@@ -19,22 +19,24 @@ called as `fn(rank, world_size, *args)`; its return value must be picklable (ten
 they come back by value). When a rank raises,
 the other ranks are killed and `RankError` is raised with that rank's traceback; when the
 deadline passes, the unfinished ranks print every thread's stack to stderr, then every rank is
-killed and `TimeoutError` is raised. No rank can outlive the call.
+killed and `TimeoutError` is raised. No rank can outlive the call. Several threads may call it at
+once (each call has its own ranks, port and queue).
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import functools
 import os
 import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 from unittest import mock
 
@@ -52,11 +54,22 @@ _PRELOAD = [
 ]
 
 
-@functools.cache
+_START = threading.Lock()
+_started = False
+
+
 def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    """The fork server's context, the server started on the first call with the devices of a GPU
+    machine hidden (see `run_ranks`): it must not have touched CUDA before forking a rank."""
+    global _started
+    with _START:
+        ctx = mp.get_context("forkserver")
+        if not _started:
+            ctx.set_forkserver_preload(_PRELOAD)
+            with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):
+                forkserver.ensure_running()
+            _started = True
+        return ctx
 
 
 class _Caller:
@@ -170,18 +183,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     # The ranks are gloo processes on CPU: a GPU machine's devices are hidden from them (make_mesh
     # and load_sharded would otherwise default to cuda there), so they run as they do in CI. The
     # fork server, started by the first call, has them hidden too.
-    with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):
-        caller = _Caller(dict(os.environ))
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(caller, rank, world_size, port, timeout, fn, args, results),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+    # os.environ itself is left alone: run_ranks may be called from several threads at once.
+    caller = _Caller(dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(caller, rank, world_size, port, timeout, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     values: dict[int, Any] = {}
     try:
