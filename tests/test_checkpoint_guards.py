@@ -278,6 +278,22 @@ def test_same_step_save_that_dies_between_renames_keeps_the_old_one(tmp_path, mo
     assert torch.equal(got.weight, old.weight)
 
 
+def test_numbered_save_after_a_same_step_save_died_between_renames_comes_after_it(
+    tmp_path, monkeypatch
+):
+    """save(step=None) numbered its step before putting back the swapped-out step-1 that `latest`
+    names: it saw no complete step and wrote step-0, which `latest` then named, below step-1."""
+    old, new = _saved_twice(tmp_path, monkeypatch, exchange=False)
+    with pytest.raises(ck.CheckpointError, match=r"committing .* failed.*latest"):
+        ck.save(tmp_path, new, step=1)
+    monkeypatch.undo()
+    assert ck.save(tmp_path, new).name == "step-00000002"
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    got = nn.Linear(4, 4)
+    ck.load(tmp_path / "step-00000001", got)
+    assert torch.equal(got.weight, old.weight)
+
+
 @pytest.mark.parametrize("checksums", [True, False], ids=["crc32c", "older_save_without"])
 def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path, checksums: bool) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))  # every chunk under 1 MB

@@ -183,9 +183,9 @@ def save(
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock.acquire(root)  # before anything in the root is read or removed
+            restore_swapped_out(root)  # before numbering: it may be the highest step
             s = next_step(root) if step is None else step
             tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
-            restore_swapped_out(root)
             # Left by saves that died (of any step; this process has none in flight, see
             # above): never the latest, never complete.
             for old in root.glob(f"{TMP_PREFIX}*"):
