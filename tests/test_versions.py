@@ -7,6 +7,8 @@ review compared them with checkpoints the old commits saved, 2026-11-26)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from grouped_ep import checkpoint as ck
+from grouped_ep.__main__ import main
 
 
 def _model(fill: float) -> nn.Sequential:
@@ -30,8 +33,13 @@ def _model(fill: float) -> nn.Sequential:
 
 
 def _inspect(path: Path) -> subprocess.CompletedProcess:
-    cli = [sys.executable, "-m", "grouped_ep", "inspect", str(path), "--summary"]
-    return subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    """`python -m grouped_ep inspect path --summary`, run in this process (a new one spends about
+    5 s importing torch; the command's own process is tested in test_checkpoint)."""
+    argv = ["inspect", str(path), "--summary"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _saved_with(root: Path, model: nn.Module, **manifest_changes) -> Path:
