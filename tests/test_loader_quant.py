@@ -157,11 +157,24 @@ def test_fp8_scale_dtypes(tmp_path, scale_dtype):
         _exact(got[k], want[k], k)
 
 
-def test_fp8_e5m2_weights_are_refused(tmp_path):
+_OTHER_FP8 = ["float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+
+
+@pytest.mark.parametrize("config", [True, False], ids=["fp8_config", "no_config"])
+@pytest.mark.parametrize("dtype", _OTHER_FP8)
+def test_other_fp8_weights_beside_their_scales_are_refused(tmp_path, dtype, config):
+    """The FNUZ ones were loaded as raw codes, their scales unused (up to 240 off, silently)."""
     _, tensors = write_fp8(tmp_path)
     key = "model.layers.0.self_attn.q_a_proj.weight"
-    file = _rewrite(tmp_path, key, tensors[key].to(torch.float8_e5m2))
-    with pytest.raises(LoadError, match=rf"{file}: '{key}' is torch.float8_e5m2"):
+    file = _rewrite(tmp_path, key, tensors[key].to(getattr(torch, dtype)))
+    if not config:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        del cfg["quantization_config"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    said = "block-FP8 dequantization reads" if config else "no config.json quantization_config"
+    with pytest.raises(
+        LoadError, match=rf"{file}: '{key}' is (quantized \()?torch\.{dtype}.*{said}"
+    ):
         load_sharded(meta_model("fp8"), tmp_path)
 
 

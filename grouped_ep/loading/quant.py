@@ -35,7 +35,11 @@ from grouped_ep.loading.plan import (
 )
 from grouped_ep.loading.safetensors import Checkpoint, TensorEntry
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Every fp8 dtype a safetensors file can hold: a weight of any of them beside its scales is
+# quantized (the FNUZ ones loaded as raw codes, their scales unused, silently: a review).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2) + tuple(
+    getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16) + (
     (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
 )
