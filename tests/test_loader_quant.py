@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import grouped_ep  # noqa: F401  (loads the ops)
 from grouped_ep import LoadError, load_sharded
+from grouped_ep.loading.quant import fp8_scale_key
 
 
 def _exact(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
@@ -222,6 +224,25 @@ def _rewrite(path, key, value):
         tensors[key] = value
     save_file(tensors, str(path / name))
     return str(path / name)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_scales_whose_tensor_is_missing_are_named(tmp_path, kind):
+    """The error said only 'no checkpoint key ... Pass key_map=' (a review: a shard copied in
+    part); it now names the scales that are there and the quantized key that is not."""
+    _, tensors = (write_fp8 if kind == "fp8" else write_mxfp4)(tmp_path)
+    key = (
+        "model.layers.0.self_attn.q_a_proj.weight"
+        if kind == "fp8"
+        else next(k for k in tensors if k.endswith("_blocks"))
+    )
+    scale = fp8_scale_key(key) if kind == "fp8" else key[: -len("_blocks")] + "_scales"
+    assert scale in tensors
+    _rewrite(tmp_path, key, None)
+    with pytest.raises(
+        LoadError, match=rf"'{re.escape(scale)}' is there, '{re.escape(key)}' is not"
+    ):
+        load_sharded(meta_model(kind), tmp_path)
 
 
 def _assert_untouched(model, fill: float) -> None:

@@ -48,7 +48,13 @@ from grouped_ep.loading.keys import (
 )
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.prefixes import model_named, toggle_prefix
-from grouped_ep.loading.quant import is_quantized, mxfp4_pieces, plan_quant, read_quant_config
+from grouped_ep.loading.quant import (
+    is_quantized,
+    mxfp4_pieces,
+    orphan_scales,
+    plan_quant,
+    read_quant_config,
+)
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
 from grouped_ep.loading.targets import model_targets, put_in_model, warn_replaced
@@ -348,11 +354,21 @@ def load_sharded(
     if strict and missing:
         on_meta = sum(t.tensor.is_meta for t in targets if not t.pieces)
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
+        orphans = [
+            o
+            for t in targets
+            if not t.pieces
+            for o in orphan_scales(mapped_keys(t.names, key_map), ckpt)
+        ]
+        scales = f" Scales without their tensor: {'; '.join(orphans[:5])}." if orphans else ""
         raise LoadError(
-            f"{ckpt.root}: no checkpoint key for {len(missing)} tensor(s) of the model "
-            f"({on_meta} of them on meta): {shown}. Pass key_map= to name their keys, or "
-            "strict=False to load the rest and list these in report.missing (left as they are: "
-            f"on meta, or with their current values).{_checkpoint_note(ckpt)}"
+            _file_key_names(
+                f"{ckpt.root}: no checkpoint key for {len(missing)} tensor(s) of the model "
+                f"({on_meta} of them on meta): {shown}.{scales} Pass key_map= to name their "
+                "keys, or strict=False to load the rest and list these in report.missing (left "
+                f"as they are: on meta, or with their current values).{_checkpoint_note(ckpt)}",
+                key_names,
+            )
         )
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     try:

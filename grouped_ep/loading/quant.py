@@ -111,6 +111,14 @@ def _fp8_scale_names(key: str) -> list[str]:
     return [fp8_scale_key(key), f"{key}_scale", f"{key}_scale_inv"]
 
 
+def orphan_scales(keys: list[str], ckpt: Checkpoint) -> list[str]:
+    """For a model tensor found under none of `keys`: each scale of one of them that the
+    checkpoint holds, with the quantized key it scales (a shard copied in part)."""
+    pairs = [(f"{k}_scales", f"{k}_blocks") for k in keys]
+    pairs += [(s, k) for k in keys for s in _fp8_scale_names(k)]
+    return [f"{s!r} is there, {k!r} is not" for s, k in pairs if s in ckpt]
+
+
 def mxfp4_pieces(
     name: str,
     keys: list[str],
