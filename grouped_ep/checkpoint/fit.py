@@ -143,22 +143,33 @@ def check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
 
 
-def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
+def refuse_unexpected(
+    info: CheckpointInfo, state: dict[str, Any], stateless_optimizer: bool = False
+) -> None:
     """Raise CheckpointError naming the checkpoint's model tensors (and, when an optimizer is
     loaded, optimizer state) that the model has no place for: a layer or buffer the resumed
-    model lacks (as `load_state_dict(strict=True)` refuses them)."""
+    model lacks (as `load_state_dict(strict=True)` refuses them), or optimizer state this
+    optimizer does not keep: of a parameter it holds state for, or of any when it keeps none
+    (`stateless_optimizer`: its state was built by a step and stayed empty, as SGD's without
+    momentum)."""
     model_keys = {f"model.{k}" for k in state["model"]}
-    params = set()
+    params, slots = set(), set()
     if "optim" in state:
         params = {
             f"optim.state.{fqn}" for g in state["optim"]["param_groups"] for fqn in g["params"]
         }
+        # what this optimizer keeps per parameter it has state for (built by a step of zeros,
+        # unless a parameter had a gradient: then nothing is known of the others)
+        kept = state["optim"]["state"]
+        slots = {f"optim.state.{fqn}.{k}" for fqn, st in kept.items() for k in st}
+        if not stateless_optimizer:
+            slots |= {p for p in params if p[len("optim.state.") :] not in kept}
 
     def under(key: str, names: set[str]) -> bool:  # a name, or a value nested in one (DCP
         parts = key.split(".")  # flattens nested dicts into dotted keys)
         return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
 
-    extra, orphans = [], []
+    extra, orphans, unkept = [], [], []
     for key in info.metadata.state_dict_metadata:
         if key.startswith("model.") and not under(key, model_keys):
             extra.append(key)
@@ -166,6 +177,8 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
             # the model has the parameter, the optimizer does not (frozen, or left out of it)
             in_model = under("model." + key[len("optim.state.") :], model_keys)
             (orphans if in_model else extra).append(key)
+        elif "optim" in state and key.startswith("optim.state.") and not under(key, slots):
+            unkept.append(key)  # an optimizer of other settings (SGD's momentum, amsgrad)
 
     def show(keys: list[str]) -> str:
         return ", ".join(sorted(keys)[:20]) + (" ..." if len(keys) > 20 else "")
@@ -182,6 +195,15 @@ def refuse_unexpected(info: CheckpointInfo, state: dict[str, Any]) -> None:
             f"its parameter groups): {show(orphans)}. Build the optimizer over the same "
             "parameters as the run that saved, or load without the optimizer "
             "(optimizer=None) and build a new one"
+        )
+    if unkept:
+        names = sorted({k.rsplit(".", 1)[-1] for k in unkept})
+        raise CheckpointError(
+            f"checkpoint {info.path} has optimizer state this optimizer does not keep "
+            f"({', '.join(map(repr, names))}, for {len(unkept)} key(s): {show(unkept)}): the "
+            "run that saved built it with other settings (SGD's momentum, Adam's amsgrad, ...), "
+            "whose state would be dropped while the saved settings were taken. Build it as "
+            "that run did, or load without the optimizer (optimizer=None) and build a new one"
         )
 
 

@@ -123,6 +123,12 @@ def _load(
     verify_: bool,
 ) -> dict[str, Any] | None:
     current = state_dicts(model, optimizer, keep_made_state=True)
+    # torch's step of zeros ran (no parameter had a gradient) and built no state: it keeps none
+    stateless_optimizer = (
+        optimizer is not None
+        and not current["optim"]["state"]
+        and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
+    )
     ckpt = _own_checkpoint(path)
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 
@@ -139,7 +145,7 @@ def _load(
         stateless = stateless_params(info, current) if optimizer is not None else []
         warn_untracked_ties(ckpt, manifest, stateless)
         check_fits(info, without(current, stateless))  # rank 0's model; the others' below
-        refuse_unexpected(info, current)
+        refuse_unexpected(info, current, stateless_optimizer)
         return manifest, stateless, kind
 
     manifest, stateless, kind = on_rank0(check)
@@ -149,7 +155,7 @@ def _load(
         try:
             info = describe(ckpt)
             check_fits(info, current)
-            refuse_unexpected(info, current)
+            refuse_unexpected(info, current, stateless_optimizer)
         except Exception as e:  # noqa: BLE001 (on every rank to all_ok: no rank left waiting)
             error = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     all_ok(error, "load: checking the model against the checkpoint")
