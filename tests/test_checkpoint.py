@@ -652,3 +652,17 @@ def test_resume_with_a_scheduler_the_saving_run_lacked(tmp_path: Path) -> None:
     assert torch.equal(state["exp_avg"], opt.state[model.dense.weight]["exp_avg"])
     scheduler.step()
     assert fresh_opt.param_groups[0]["lr"] == 0.25  # the scheduler's own base, 0.5 * 0.5
+
+
+def test_a_folder_of_safetensors_or_the_latest_file_is_named_for_what_it_is(tmp_path):
+    """Both were answered 'was the save interrupted before it finished?' (a review: inspect
+    of an export_hf folder)."""
+    from safetensors.torch import save_file
+
+    model = nn.Linear(4, 4)
+    save_file(dict(model.state_dict()), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ck.CheckpointError, match=r"holds \.safetensors files, .*export_hf"):
+        ck.load(tmp_path, model)
+    ck.save(tmp_path / "root", model, step=1)
+    with pytest.raises(ck.CheckpointError, match=r"latest is the file naming .*pass the root"):
+        ck.load(tmp_path / "root" / "latest", model)

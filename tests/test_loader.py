@@ -702,8 +702,14 @@ def test_modification_times_past_2262_and_before_1970(tmp_path):
         assert torch.equal(model.m.norm, _fused_state()["m.norm"])
 
 
-def test_checkpoint_not_found(tmp_path):
-    _expect("checkpoint not found", _fused_model(), tmp_path / "nope")
+def test_checkpoint_not_found(tmp_path, monkeypatch):
+    _expect(r"checkpoint not found$", _fused_model(), tmp_path / "nope")
+    monkeypatch.chdir(tmp_path)  # a Hub id, as README's AutoConfig.from_pretrained(path) takes
+    _expect(
+        r"not found; if it is a Hugging Face Hub id: .*snapshot_download",
+        _fused_model(),
+        "Qwen/Qwen3-30B-A3B",
+    )
     (tmp_path / "empty").mkdir()
     _expect(
         r"expected model\.safetensors\.index\.json or a single", _fused_model(), tmp_path / "empty"

@@ -91,6 +91,17 @@ def _resolve(path: Path) -> Path:
         return target
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    if path.name == LATEST_FILE and path.is_file():
+        raise CheckpointError(
+            f"{path} is the file naming a checkpoint root's latest step: pass the root, "
+            f"{path.parent}, or the step directory it names"
+        )
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{path} holds .safetensors files, not a checkpoint of grouped_ep.checkpoint.save "
+            f"(no {METADATA_FILE}): an export_hf folder, or Hugging Face weights, which "
+            "grouped_ep.load_sharded or transformers' from_pretrained read"
+        )
     raise CheckpointError(
         f"{path} is neither a checkpoint (no {METADATA_FILE}) nor a checkpoint root (no "
         f"{LATEST_FILE} file); was the save interrupted before it finished?"

@@ -225,8 +225,9 @@ def load_sharded(
             device when there is one, else CPU. Ignored for tensors that are not on meta.
         key_map: "auto" maps the model's fused experts (`...experts.gate_up_proj [E, 2I, H]`,
             `...experts.down_proj [E, H, I]`) to per-expert keys (`experts.{i}.gate_proj.weight`
-            `[I, H]`, Mixtral's `block_sparse_moe.experts.{i}.w1/w3/w2.weight`) or 3-D keys,
-            else same names. None: same names only. A callable or mapping from model name to a
+            `[I, H]`; for a transformers model also Mixtral's
+            `block_sparse_moe.experts.{i}.w1/w3/w2.weight`, which its conversion names) or 3-D
+            keys, else same names. None: same names only. A callable or mapping from model name to a
             key, to a list of E keys stacked on a new dim 0 (an entry may be a tuple of keys
             concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule. A
             mapping entry that names no tensor of the model is an error.

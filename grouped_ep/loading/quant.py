@@ -4,7 +4,7 @@ bytes and scale blocks this rank reads. No I/O beyond `config.json`.
 Two formats, both as transformers reads them:
 
 - "fp8" (DeepSeek-V3): a `float8_e4m3fn` weight `[..., R, C]` and a sibling `weight_scale_inv`
-  `[..., ceil(R / br), ceil(C / bc)]` (float32, bfloat16 or float8_e8m0fnu) for
+  `[..., ceil(R / br), ceil(C / bc)]` (float32, bfloat16, float16 or float8_e8m0fnu) for
   `weight_block_size: [br, bc]`; value = float(q) * float(scale of its block).
 - "mxfp4" (gpt-oss): `{name}_blocks` uint8 `[..., R, G, 16]` (two FP4 E2M1 values per byte, the low
   nibble first) and `{name}_scales` uint8 `[..., R, G]` (E8M0 exponents, one per 32 values) for a

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import warnings
 from dataclasses import dataclass, field
@@ -339,7 +340,16 @@ def _open_checkpoint(path: Path) -> Checkpoint:
     elif path.exists():
         raise LoadError(f"{path}: is not a regular file, expected a .safetensors file")
     else:
-        raise LoadError(f"{path}: checkpoint not found")
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None  # as "org/name"
+        raise LoadError(
+            f"{path}: checkpoint not found"
+            + (
+                "; if it is a Hugging Face Hub id: load_sharded reads a local folder, download "
+                "it first (huggingface_hub.snapshot_download)"
+                if hub
+                else ""
+            )
+        )
 
     files: dict[str, SafetensorsFile] = {}
     entries: dict[str, TensorEntry] = {}
