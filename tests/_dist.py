@@ -107,7 +107,7 @@ def free_port() -> int:
 
 
 def _worker(
-    caller: None,
+    caller: None,  # a _Caller: adopted when unpickled, None here
     rank: int,
     world_size: int,
     port: int,

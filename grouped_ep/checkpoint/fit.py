@@ -173,12 +173,13 @@ def refuse_unexpected(
     for key in info.metadata.state_dict_metadata:
         if key.startswith("model.") and not under(key, model_keys):
             extra.append(key)
-        elif "optim" in state and key.startswith("optim.state.") and not under(key, params):
-            # the model has the parameter, the optimizer does not (frozen, or left out of it)
-            in_model = under("model." + key[len("optim.state.") :], model_keys)
-            (orphans if in_model else extra).append(key)
-        elif "optim" in state and key.startswith("optim.state.") and not under(key, slots):
-            unkept.append(key)  # an optimizer of other settings (SGD's momentum, amsgrad)
+        elif "optim" in state and key.startswith("optim.state."):
+            if not under(key, params):
+                # the model has the parameter, the optimizer does not (frozen, or left out of it)
+                in_model = under("model." + key[len("optim.state.") :], model_keys)
+                (orphans if in_model else extra).append(key)
+            elif not under(key, slots):
+                unkept.append(key)  # an optimizer of other settings (SGD's momentum, amsgrad)
 
     def show(keys: list[str]) -> str:
         return ", ".join(sorted(keys)[:20]) + (" ..." if len(keys) > 20 else "")

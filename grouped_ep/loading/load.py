@@ -348,19 +348,15 @@ def load_sharded(
             todo.append(target)
     except LoadError as e:  # named as the files name them, not as renamed to fit the model
         raise LoadError(_file_key_names(str(e), key_names)) from None
-    for target in (t for t in targets if not t.pieces):  # why, where a probe was skipped
+    unfound = [t for t in targets if not t.pieces]  # the tensors `missing` names
+    for target in unfound:  # why, where a probe was skipped
         names = target.names + (toggle_prefix(model, target.names) if toggles else [])
         for why in dict.fromkeys(unprobed[n] for n in names if n in unprobed):
             warnings.warn(why, stacklevel=2)
     if strict and missing:
-        on_meta = sum(t.tensor.is_meta for t in targets if not t.pieces)
+        on_meta = sum(t.tensor.is_meta for t in unfound)
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
-        orphans = [
-            o
-            for t in targets
-            if not t.pieces
-            for o in orphan_scales(mapped_keys(t.names, key_map), ckpt)
-        ]
+        orphans = [o for t in unfound for o in orphan_scales(mapped_keys(t.names, key_map), ckpt)]
         scales = f" Scales without their tensor: {'; '.join(orphans[:5])}." if orphans else ""
         raise LoadError(
             _file_key_names(

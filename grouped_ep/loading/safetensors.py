@@ -340,16 +340,13 @@ def _open_checkpoint(path: Path) -> Checkpoint:
     elif path.exists():
         raise LoadError(f"{path}: is not a regular file, expected a .safetensors file")
     else:
-        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None  # as "org/name"
-        raise LoadError(
-            f"{path}: checkpoint not found"
-            + (
-                "; if it is a Hugging Face Hub id: load_sharded reads a local folder, download "
-                "it first (huggingface_hub.snapshot_download)"
-                if hub
-                else ""
-            )
+        hint = (
+            "; if it is a Hugging Face Hub id: load_sharded reads a local folder, download it "
+            "first (huggingface_hub.snapshot_download)"
+            if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path))  # as "org/name"
+            else ""
         )
+        raise LoadError(f"{path}: checkpoint not found{hint}")
 
     files: dict[str, SafetensorsFile] = {}
     entries: dict[str, TensorEntry] = {}
