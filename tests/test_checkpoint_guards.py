@@ -170,6 +170,33 @@ def test_optimizer_state_the_optimizer_does_not_keep_is_refused(tmp_path, saved,
     assert kept in again.state[fresh.weight]
 
 
+def test_a_gradient_present_at_load_still_reads_the_optimizer_state(tmp_path: Path) -> None:
+    """torch builds the state to read into by a step of zeros, which it skips when a parameter
+    has a gradient: the load then read no optimizer state and resumed AdamW from step 0,
+    silently; and a mismatch of settings went unseen. The gradients are kept as they were."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    ck.save(tmp_path, model, opt, step=1)
+
+    def with_grad(**kw):
+        fresh = nn.Linear(4, 4)
+        fresh(torch.full((2, 4), 3.0)).sum().backward()
+        return fresh, fresh.weight.grad.clone(), torch.optim.AdamW(fresh.parameters(), lr=0.1, **kw)
+
+    fresh, grad, fresh_opt = with_grad()
+    ck.load(tmp_path, fresh, fresh_opt)
+    state = fresh_opt.state[fresh.weight]
+    assert float(state["step"]) == 1.0
+    assert torch.equal(state["exp_avg"], opt.state[model.weight]["exp_avg"])
+    assert torch.equal(fresh.weight.grad, grad)
+    fresh, grad, fresh_opt = with_grad(amsgrad=True)
+    with pytest.raises(ck.CheckpointError, match="max_exp_avg_sq"):
+        ck.load(tmp_path, fresh, fresh_opt)  # the saved run kept no max_exp_avg_sq
+    assert not fresh_opt.state and torch.equal(fresh.weight.grad, grad)
+
+
 @pytest.mark.parametrize(
     "saved,now",
     [("e|a|b", "e|a|b"), ("e|a|b", "e|b|a"), ("a|e", "a|e")],

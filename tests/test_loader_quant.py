@@ -767,3 +767,22 @@ def test_fp8_config_without_block_size_reads_128_blocks_as_transformers_does(tmp
     write_fp8(tmp_path, block=(128, 128), qc=qc | {"weight_block_size": None}, **shape)
     with pytest.raises(LoadError, match=r"per-tensor FP8 is not supported\), got None"):
         load_sharded(meta_model("fp8", **shape), tmp_path, device="cpu")
+
+
+def test_fp8_key_read_only_in_part_is_refused_naming_its_file():
+    """A quantized key the model takes only part of (q_proj's rows of a fused qkv_proj, a
+    transposed key) cannot be dequantized by blocks; the error named the key but not its file."""
+    from grouped_ep.loading.plan import Piece, Target
+    from grouped_ep.loading.quant import QuantConfig, is_quantized
+    from grouped_ep.loading.safetensors import TensorEntry
+
+    fused = TensorEntry(
+        "qkv_proj.weight", "/ckpt/model-2.safetensors", torch.float8_e4m3fn, (24, 8), 0, 192
+    )
+    rows = Piece(fused, (0, 0), (8, 8), file_offset=(8, 0))
+    target = Target(["k_proj.weight"], torch.empty(8, 8), True, [], pieces=[rows])
+    cfg = QuantConfig("fp8", (8, 8), "/ckpt/config.json")
+    with pytest.raises(
+        LoadError, match=r"only in part .*/ckpt/model-2\.safetensors: 'qkv_proj\.weight'"
+    ):
+        is_quantized(cfg, target, {})

@@ -123,12 +123,8 @@ def _load(
     verify_: bool,
 ) -> dict[str, Any] | None:
     current = state_dicts(model, optimizer, keep_made_state=True)
-    # torch's step of zeros ran (no parameter had a gradient) and built no state: it keeps none
-    stateless_optimizer = (
-        optimizer is not None
-        and not current["optim"]["state"]
-        and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
-    )
+    # torch's step of zeros ran (gradients set aside for it) and built no state: it keeps none
+    stateless_optimizer = optimizer is not None and not current["optim"]["state"]
     ckpt = _own_checkpoint(path)
     described: list = []  # rank 0's `describe`, kept for the checks below (no second read)
 

@@ -42,12 +42,23 @@ def state_dicts(
     state is not the run's: the next real step would be bias-corrected as the second. So unless
     `keep_made_state` (`load` reads into it, and takes it out again if the load fails) it is
     removed, from the optimizer and from the state dict: saved as no state, resumed as none.
+
+    torch skips that step when any parameter has a gradient, and a load would then read no
+    optimizer state at all, silently: the gradients are set aside for it and put back.
     """
     opts = StateDictOptions(full_state_dict=False)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=opts)}
     had_state = bool(optimizer.state)
-    msd, osd = get_state_dict(model, optimizer, options=opts)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params] if not had_state else []
+    try:
+        for p in params if grads else ():
+            p.grad = None
+        msd, osd = get_state_dict(model, optimizer, options=opts)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
     if not had_state and optimizer.state and not keep_made_state:
         optimizer.state.clear()
         osd = {**osd, "state": {}}

@@ -287,10 +287,11 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
             f"{target.name}: checkpoint tensors mix quantized and plain dtypes: {plain.path}: "
             f"{plain.key!r} is {plain.dtype}, {q.path}: {q.key!r} is {q.dtype}"
         )
-    if not all(p.is_whole for p in quant):
+    part = next((p.entry for p in quant if not p.is_whole), None)
+    if part is not None:
         raise LoadError(
             f"{target.name}: its quantized checkpoint tensors hold it only in part (a fused or "
-            f"permuted key: {quant[0].entry.key!r}); dequantizing such keys is not supported"
+            f"permuted key: {part.path}: {part.key!r}); dequantizing such keys is not supported"
         )
     return True
 
