@@ -719,9 +719,11 @@ def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
         _exact(model.state_dict()[f"model.{k}"], v, k)
 
 
-def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path):
+@pytest.mark.parametrize("config", [False, True], ids=["no_config", "config_says_fp8"])
+def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path, config):
     """An fp8 model tensor takes the codes as they are, next to its own `weight_scale` (an fp8
-    inference module): not refused as 'quantized without a config', as a bf16 model is."""
+    inference module): not refused as 'quantized without a config', as a bf16 model is; and with
+    a config saying fp8, not refused as 'dequantize into bfloat16, float16 or float32'."""
 
     class FP8Linear(torch.nn.Module):
         def __init__(self, seed):
@@ -732,6 +734,9 @@ def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path):
             self.weight_scale = torch.nn.Parameter(torch.rand(1, generator=g), requires_grad=False)
 
     save_file(dict(FP8Linear(0).state_dict()), str(tmp_path / "model.safetensors"))
+    if config:
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
     model = FP8Linear(1)
     load_sharded(model, tmp_path)
     want = FP8Linear(0)

@@ -263,8 +263,9 @@ def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> b
     quant = [
         p for p in target.pieces if p.entry.dtype in FP8_DTYPES or p.entry.key.endswith("_blocks")
     ]
-    if not quant:
-        return False
+    if not quant or all(p.entry.dtype == target.tensor.dtype for p in quant):
+        return False  # none, or a model tensor that holds the codes itself (an fp8 inference
+        # module next to its own scales): a plain copy, config or not
     if cfg is None or (cfg.method == "fp8") != (quant[0].entry.dtype in FP8_DTYPES):
         e = quant[0].entry
         scale = fp8_scale_key(e.key) if e.dtype in FP8_DTYPES else e.key[:-7] + "_scales"
