@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -65,3 +66,11 @@ def check_can_hold(device: torch.device, what: str = "device") -> None:
     ):
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise ValueError(f"{what}={str(device)!r}, and this machine has {have} CUDA device(s)")
+
+
+def tilde_hint(path: os.PathLike | str) -> str:
+    """For a path not found that starts with `~`: that `~` is not expanded, as by open()."""
+    text = os.fspath(path)
+    if not text.startswith("~") or not os.path.exists(os.path.expanduser(text)):
+        return ""
+    return f" ('~' is not expanded: pass os.path.expanduser(path), {os.path.expanduser(text)})"

@@ -24,13 +24,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from grouped_ep._clip_grad import clip_grad_norm_
 from grouped_ep._expert_units import expert_placement, experts_reshard, single_rank_reduce
 from grouped_ep._inference_mode import guard_first_forward
 from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
+from grouped_ep._replaced import noting_replaced
 from grouped_ep._reshard import reshard_after_gradless_forward
 from grouped_ep._save_pretrained import guard_save_pretrained
 from grouped_ep._validate import is_int
@@ -136,6 +137,11 @@ def check_shardable(
     `ep_mesh`, and (`with_fsdp`: for `fully_shard_moe` and what calls it) no parameter held by
     an experts module itself that is not stacked over its experts."""
     ep = ep_mesh.size()
+    if with_fsdp and isinstance(model, FSDPModule):
+        raise ValueError(
+            f"{caller}: {type(model).__name__} is already sharded with FSDP2 (by parallelize, "
+            "fully_shard_moe or torch's fully_shard); shard the unsharded model, once"
+        )
     found = []
     for prefix, module in model.named_modules():
         if not is_experts_module(module):
@@ -160,7 +166,8 @@ def check_shardable(
             if isinstance(param, DTensor) and not _is_ep_sharded(param, ep_mesh):
                 raise ValueError(
                     f"{caller}: {where}.{name} is already a DTensor with placements "
-                    f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor"
+                    f"{tuple(param.placements)} on {param.device_mesh}; expected a plain tensor "
+                    "(the model was sharded already: shard the unsharded model, once)"
                 )
         if with_fsdp:
             _refuse_shared_direct_params(module, where, caller)
@@ -222,8 +229,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             f"{ep_mesh.ndim}-D {ep_mesh.mesh_dim_names}"
         )
     experts = check_shardable(model, ep_mesh, "apply_expert_parallel")
-    for module in experts:
-        _shard_experts(module, ep_mesh)
+    with noting_replaced(model, "apply_expert_parallel"):
+        for module in experts:
+            _shard_experts(module, ep_mesh)
     if not experts:
         raise ValueError(
             f"apply_expert_parallel: {type(model).__name__} has no experts module "
@@ -345,21 +353,31 @@ def fully_shard_moe(
         )
     check_mesh(mesh, "fully_shard_moe")
     check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
-    dp, ep = mesh.size(0), mesh.size(1)
-    ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
-    experts = check_shardable(model, ep_mesh, "fully_shard_moe", with_fsdp=True)  # first
+    experts = check_shardable(model, mesh["ep"], "fully_shard_moe", with_fsdp=True)  # first
     if not experts:
         raise ValueError(f"fully_shard_moe: {type(model).__name__} has no experts module")
     kwargs = {
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
     }
-    # A divide factor other than the group size makes FSDP reduce with PREMUL_SUM, which gloo
-    # lacks: on CPU, sum and then divide instead.
-    sum_only = mesh.device_type == "cpu"
     names = {id(m): n for n, m in model.named_modules()}
     blocks, last_blocks = _blocks(model)
     _refuse_shared_across_blocks(model, [names[id(b)] for b in blocks])
+    with noting_replaced(model, "fully_shard_moe"):
+        _fully_shard_moe(model, experts, blocks, last_blocks, names, mesh, kwargs)
+    guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
+    reshard_after_gradless_forward(model)  # else an optimizer built next holds gathered tensors
+    guard_save_pretrained(model)
+    return model
+
+
+def _fully_shard_moe(model, experts, blocks, last_blocks, names, mesh, kwargs) -> None:
+    """fully_shard_moe's sharding, once its checks passed."""
+    dp, ep = mesh.size(0), mesh.size(1)
+    ep_mesh, dp_mesh, flat_mesh = mesh["ep"], mesh["dp"], dense_mesh(mesh)
+    # A divide factor other than the group size makes FSDP reduce with PREMUL_SUM, which gloo
+    # lacks: on CPU, sum and then divide instead.
+    sum_only = mesh.device_type == "cpu"
     for module in experts:
         _shard_experts(module, ep_mesh)
         _shard_shared_params(module, names[id(module)], flat_mesh, kwargs)
@@ -384,10 +402,6 @@ def fully_shard_moe(
         fully_shard(block, mesh=flat_mesh, **unit)
     split_dtypes(model, "", flat_mesh, kwargs)
     fully_shard(model, mesh=flat_mesh, **kwargs)
-    guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
-    reshard_after_gradless_forward(model)  # else an optimizer built next holds gathered tensors
-    guard_save_pretrained(model)
-    return model
 
 
 def _refuse_shared_across_blocks(model: nn.Module, blocks: list[str]) -> None:

@@ -544,3 +544,81 @@ def test_split_tie_is_refused_through_ddp(tmp_path: Path) -> None:
     from _dist import run_ranks
 
     assert run_ranks(_tie_through_ddp, 1, str(tmp_path), timeout=120) == [[True, True]]
+
+
+def test_load_names_arguments_of_the_wrong_kind(tmp_path: Path) -> None:
+    """save named them; load gave a bare AttributeError ('StepLR' object has no attribute
+    'state'; a review)."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    ck.save(tmp_path, model, opt, step=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(ck.CheckpointError, match="load: optimizer must be a torch.optim.Optimizer"):
+        ck.load(tmp_path, model, sched)
+    with pytest.raises(ck.CheckpointError, match="load: model must be an nn.Module, got AdamW"):
+        ck.load(tmp_path, opt, model)
+
+
+def _half_loaded() -> nn.Module:
+    """A model whose second layer is still on meta, as load_sharded(strict=False) leaves the
+    tensors the checkpoint lacks."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].to_empty(device="meta")
+    return model
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_of_a_model_on_meta_names_its_tensors_and_writes_nothing(tmp_path, async_save):
+    """save failed late inside torch's writer naming no tensor; with async_save it raised a bare
+    NotImplementedError and left .tmp-step-N behind (a review)."""
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"save: the model's tensors are on the meta "
+        r"device \(1\.weight, 1\.bias\).*report\.missing",
+    ):
+        ck.save(tmp_path, _half_loaded(), step=1, async_save=async_save)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_a_model_on_meta_names_its_tensors(tmp_path: Path) -> None:
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"export_hf: the model's tensors are on the "
+        r"meta device \(1\.weight, 1\.bias\)",
+    ):
+        ck.export_hf(_half_loaded(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_async_save_whose_copy_fails_removes_its_partial_step(tmp_path, monkeypatch) -> None:
+    """A failure while async_save copies the state (raised on the caller's rank, not as DCP's
+    CheckpointException) skipped the removal of .tmp-step-N and was not a CheckpointError."""
+    import grouped_ep.checkpoint.dcp as saver
+
+    model = nn.Linear(4, 4)
+    ck.save(tmp_path, model, step=1)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of pinned memory")
+
+    monkeypatch.setattr(saver.dcp, "async_save", fail)
+    with pytest.raises(ck.CheckpointError, match="async save .* failed.*out of pinned memory"):
+        ck.save(tmp_path, model, step=2, async_save=True)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == ["step-00000001"]
+    assert layout.resolve(tmp_path).name == "step-00000001"
+
+
+def test_a_path_starting_with_a_tilde_is_not_found_with_a_hint(tmp_path, monkeypatch) -> None:
+    from grouped_ep import LoadError, load_sharded
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = nn.Linear(4, 4)
+    ck.save(tmp_path / "run", model, step=1)
+    with pytest.raises(ck.CheckpointError, match=r"'~' is not expanded: pass os\.path\.expanduser"):
+        ck.load("~/run", model)
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file(model.state_dict(), str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(LoadError, match=r"not found \('~' is not expanded"):
+        load_sharded(model, "~/hf")

@@ -698,8 +698,8 @@ def test_transformers_base_model_prefix_added_or_stripped(tmp_path, direction):
         wrong = GptOssModel(cfg).float()
     with pytest.raises(
         LoadError,
-        match=r"shape mismatch for 'model\.embed_tokens\.weight': model tensor "
-        r"'embed_tokens\.weight' \[65, 64\]",
+        match=r"shape mismatch for 'model\.embed_tokens\.weight': the model's "
+        r"'embed_tokens\.weight' is \[65, 64\]",
     ):
         load_sharded(wrong, tmp_path / "ckpt", device="cpu")
     cfg.vocab_size -= 1

@@ -667,6 +667,74 @@ def test_optimizer_built_before_load_sharded_trains_every_parameter(tmp_path):
         assert unchanged == 0
 
 
+def _optimizer_before_sharding_rank(rank: int, world: int, root: str, how: str):
+    from grouped_ep import checkpoint
+    from grouped_ep.parallel import apply_expert_parallel, fully_shard_moe, make_mesh
+
+    model = make_model(4)
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before sharding: the old tensors
+    mesh = make_mesh(1, world)
+    if how == "fully_shard_moe":
+        fully_shard_moe(model, mesh)
+    else:
+        apply_expert_parallel(model, mesh["ep"])
+    lm_loss(model, batches(world, 1)[0][rank]).backward()
+    try:
+        early.step()
+        stepped = ""
+    except RuntimeError as e:
+        stepped = str(e)
+    try:
+        checkpoint.save(root, model, early)
+        saved = ""
+    except checkpoint.CheckpointError as e:
+        saved = str(e)
+    good = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after: steps as usual
+    before = [p.detach().clone() for p in model.parameters()]
+    good.step()
+    changed = sum(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+    return stepped, saved, changed
+
+
+@pytest.mark.parametrize("how", ["fully_shard_moe", "apply_expert_parallel"])
+def test_optimizer_built_before_sharding_is_refused_at_its_step(tmp_path, how):
+    """An optimizer built before parallelize / fully_shard_moe holds the parameters they
+    replaced: every step changed nothing, silently (a review: 3 steps, 0 of 25 tensors changed),
+    and save blamed a forward without backward. Its step now says so, naming a parameter."""
+    for stepped, saved, changed in run_ranks(
+        _optimizer_before_sharding_rank, 2, str(tmp_path), how, timeout=TIMEOUT
+    ):
+        assert f"{how} replaced with sharded ones" in stepped, stepped
+        assert "built before the model was sharded" in saved, saved
+        assert f"{how} replaced with sharded ones" in saved
+        assert changed > 0
+
+
+def _sharded_twice_rank(rank: int, world: int) -> list[str]:
+    from torch.distributed.fsdp import fully_shard
+
+    from grouped_ep.parallel import fully_shard_moe, make_mesh
+
+    mesh = make_mesh(1, world)
+    messages = []
+    for first in (lambda m: fully_shard_moe(m, mesh), lambda m: fully_shard(m)):
+        model = first(make_model(4))
+        try:
+            fully_shard_moe(model, mesh)
+            messages.append("")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_sharding_a_sharded_model_says_so():
+    """fully_shard_moe (or parallelize) twice, or after torch's fully_shard, said 'already a
+    DTensor with placements ...; expected a plain tensor' (a review)."""
+    for messages in run_ranks(_sharded_twice_rank, 2, timeout=TIMEOUT):
+        for message in messages:
+            assert "is already sharded with FSDP2" in message, message
+
+
 def _unit_added_after_wrapping_rank(rank: int, world: int) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor

@@ -62,7 +62,7 @@ from grouped_ep.checkpoint.collective import (
 )
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.extra import write_extra
-from grouped_ep.checkpoint.fit import tied_groups
+from grouped_ep.checkpoint.fit import refuse_meta, tied_groups
 from grouped_ep.checkpoint.inspect import METADATA_FILE, describe
 from grouped_ep.checkpoint.layout import (
     FORMAT_VERSION,
@@ -156,6 +156,7 @@ def save(
             )
         reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
         check_optimizer_params(model, optimizer, "save")
+        refuse_meta(model, "save")
         state = state_dicts(model, optimizer)  # before anything is written
     except (CheckpointError, ValueError) as e:
         error = e
@@ -297,13 +298,26 @@ def save(
             with dcp_quiet():
                 if async_save:
                     # Blocks only while the state is copied to CPU memory; writes in a thread.
-                    upload = dcp.async_save(
-                        state,
-                        storage_writer=writer,
-                        planner=CompactSavePlanner(),
-                        process_group=group,
-                        no_dist=not distributed(),
-                    )
+                    staging = None
+                    try:
+                        upload = dcp.async_save(
+                            state,
+                            storage_writer=writer,
+                            planner=CompactSavePlanner(),
+                            process_group=group,
+                            no_dist=not distributed(),
+                        )
+                    except CheckpointException:
+                        raise
+                    except Exception as e:  # noqa: BLE001 (the copy, raised here, on this rank)
+                        staging = e
+                    # Every rank learns of it: the partial step goes, every rank raises. (Ranks
+                    # whose copy succeeded have a write in flight that waits for this one in
+                    # vain; it fails when its group's timeout ends.)
+                    try:
+                        all_ok(staging, "save: copying the state to CPU memory")
+                    except CheckpointError as e:
+                        raise failed(f"async save to {tmp} failed", str(e)) from e
                 else:
                     dcp.save(
                         state,

@@ -48,6 +48,7 @@ from grouped_ep._names import unwrapped_model
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
+from grouped_ep.checkpoint.fit import refuse_meta
 from grouped_ep.checkpoint.hf_config import write_hf_configs
 from grouped_ep.checkpoint.layout import write_text_atomic
 from grouped_ep.checkpoint.safetensors_writer import (
@@ -106,6 +107,7 @@ def export_hf(
         require_transformers(CheckpointError, "export_hf")
     if not any(True for _ in model.state_dict()):
         raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
+    refuse_meta(model, "export_hf")
     if not os.fspath(dir):
         raise CheckpointError("export_hf: dir is empty; name the directory to export into")
     limit = parse_size(max_shard_size)

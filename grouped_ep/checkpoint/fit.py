@@ -20,19 +20,27 @@ from grouped_ep.checkpoint.inspect import CheckpointInfo
 from grouped_ep.checkpoint.layout import FORMAT_VERSION, MANIFEST_FILE
 
 
-def refuse_meta(model: nn.Module) -> None:
-    """A model on meta has no storage to load into (DCP would copy into nothing, silently)."""
+def refuse_meta(model: nn.Module, caller: str = "load") -> None:
+    """A model on meta has no storage to load into (DCP would copy into nothing, silently), and
+    nothing to save or export (torch's writer failed late, naming no tensor)."""
     on_meta = [
         n
         for n, t in model.state_dict(keep_vars=True).items()  # what a load fills
         if (t.to_local() if isinstance(t, DTensor) else t).is_meta
     ]
-    if on_meta:
+    if not on_meta:
+        return
+    if caller == "load":
         raise CheckpointError(
             f"load: the model's tensors are on the meta device ({listed(on_meta)}); nothing can be loaded "
             "into them. Materialize the model first (model.to_empty(device=...), or "
             "grouped_ep.load_sharded from a Hugging Face checkpoint), then load"
         )
+    raise CheckpointError(
+        f"{caller}: the model's tensors are on the meta device ({listed(on_meta)}); they hold no "
+        "values to write (left there by load_sharded(strict=False), whose report.missing names "
+        "them?). Load or initialize them first"
+    )
 
 
 def refuse_untied(model: nn.Module) -> None:

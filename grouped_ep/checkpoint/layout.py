@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from grouped_ep._validate import tilde_hint
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import METADATA_FILE
 
@@ -90,7 +91,7 @@ def _resolve(path: Path) -> Path:
             raise CheckpointError(f"{latest} names {name}, which does not exist in {path}")
         return target
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
+        raise CheckpointError(f"checkpoint path {path} does not exist{tilde_hint(path)}")
     if path.name == LATEST_FILE and path.is_file():
         raise CheckpointError(
             f"{path} is the file naming a checkpoint root's latest step: pass the root, "

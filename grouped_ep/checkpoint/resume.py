@@ -54,7 +54,7 @@ from grouped_ep.checkpoint.fit import (
 )
 from grouped_ep.checkpoint.inspect import describe
 from grouped_ep.checkpoint.layout import resolve
-from grouped_ep.checkpoint.save_args import check_optimizer_params
+from grouped_ep.checkpoint.save_args import check_optimizer_params, check_types
 from grouped_ep.checkpoint.state import state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
 
@@ -100,6 +100,7 @@ def load(
             untouched. An I/O error during the read itself may leave the model partly loaded;
             its message says so.
     """
+    check_types(model, optimizer, None, "load")
     check_flag(verify, "load: verify")
     background.wait_pending("load")
     reshard_all(model)  # a unit left gathered gives its full tensors, not its shards

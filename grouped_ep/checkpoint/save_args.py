@@ -8,20 +8,22 @@ import numbers
 import torch
 from torch import nn
 
+from grouped_ep._replaced import replaced_by
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.errors import CheckpointError, listed
 
 
-def check_types(model: object, optimizer: object, extra: object) -> None:
+def check_types(model: object, optimizer: object, extra: object, caller: str = "save") -> None:
     if not isinstance(model, nn.Module):
-        raise CheckpointError(f"save: model must be an nn.Module, got {type(model).__name__}")
+        raise CheckpointError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise CheckpointError(
-            "save: optimizer must be a torch.optim.Optimizer or None, got "
-            f"{type(optimizer).__name__} (user state goes in extra=)"
+            f"{caller}: optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__}"
+            + (" (user state goes in extra=)" if caller == "save" else "")
         )
     if extra is not None and not isinstance(extra, dict):
-        raise CheckpointError(f"save: extra must be a dict or None, got {type(extra).__name__}")
+        raise CheckpointError(f"{caller}: extra must be a dict or None, got {type(extra).__name__}")
 
 
 def as_step(value: object, name: str) -> int:
@@ -56,6 +58,16 @@ def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> 
     ]
     foreign = [where for where, _ in strangers]
     on_meta = [where for where, meta in strangers if meta]
+    stale = [
+        found for g in optimizer.param_groups for p in g["params"] if (found := replaced_by(p))
+    ]
+    if stale:
+        raise CheckpointError(
+            f"{caller}: the optimizer holds {len(stale)} parameter(s) that {stale[0][1]} replaced "
+            f"with sharded ones ({listed([name for name, _ in stale])}): it was built before the "
+            "model was sharded, and its steps changed nothing. Build it from model.parameters() "
+            "after parallelize / fully_shard_moe / apply_expert_parallel"
+        )
     if on_meta:
         raise CheckpointError(
             f"{caller}: the optimizer holds {len(on_meta)} meta tensors that are not the model's "

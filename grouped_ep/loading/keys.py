@@ -168,9 +168,14 @@ def _check_layout(
     for key, offset, pshape, file_shape, *part in layout:
         entry = ckpt[key]
         if entry.shape != file_shape or any(o + n > s for o, n, s in zip(offset, pshape, shape)):
+            tensor = "the model's tensor" if name == key else f"the model's {name!r}"
+            needs = (
+                "" if tuple(file_shape) == tuple(shape) else f" and needs {list(file_shape)} here"
+            )
             raise LoadError(
-                f"{entry.path}: shape mismatch for {key!r}: model tensor {name!r} {list(shape)} "
-                f"needs {list(file_shape)} here, the file has {list(entry.shape)}"
+                f"{entry.path}: shape mismatch for {key!r}: {tensor} is {list(shape)}{needs}, "
+                f"the file has {list(entry.shape)} (a model built from another config than the "
+                "checkpoint's?)"
             )
         corner, dims, view = (part + [None, None, None])[:3]
         pieces.append(Piece(entry, offset, pshape, corner, dims, view))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from grouped_ep._validate import is_int
+from grouped_ep._validate import is_int, tilde_hint
 from grouped_ep.loading.errors import LoadError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -344,7 +344,7 @@ def _open_checkpoint(path: Path) -> Checkpoint:
             "; if it is a Hugging Face Hub id: load_sharded reads a local folder, download it "
             "first (huggingface_hub.snapshot_download)"
             if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path))  # as "org/name"
-            else ""
+            else tilde_hint(path)
         )
         raise LoadError(f"{path}: checkpoint not found{hint}")
 

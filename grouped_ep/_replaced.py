@@ -1,0 +1,70 @@
+"""Parameters that sharding replaced, and optimizers that still hold them.
+
+`apply_expert_parallel`, `fully_shard_moe` (and so `grouped_ep.hf.parallelize`) put new
+Parameter objects (DTensors) in the model. An optimizer built before them holds the old ones,
+which no backward reaches: every step then changes nothing, and no error says so (FSDP2's own
+behaviour). The old parameters are remembered here (weakly: they go when nothing else holds
+them), and a step of any optimizer that holds one is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# id -> (a weak reference to the replaced parameter, its name in the model, what replaced it)
+_REPLACED: dict[int, tuple[weakref.ref, str, str]] = {}
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its signature
+_version = 0
+_hook = None
+
+
+def replaced_by(param: torch.Tensor) -> tuple[str, str] | None:
+    """(name, caller) when `param` is a parameter that sharding replaced, else None."""
+    entry = _REPLACED.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1], entry[2]
+
+
+@contextlib.contextmanager
+def noting_replaced(model: nn.Module, caller: str) -> Iterator[None]:
+    """Remember the parameters of `model` that the body replaces."""
+    before = list(model.named_parameters(remove_duplicate=False))
+    yield
+    now = {id(p) for p in model.parameters()}
+    gone = [(name, p) for name, p in before if id(p) not in now]
+    if not gone:
+        return
+    global _version, _hook
+    for name, p in gone:
+        key = id(p)
+        _REPLACED[key] = (weakref.ref(p, lambda _, key=key: _REPLACED.pop(key, None)), name, caller)
+    _version += 1
+    if _hook is None:  # every optimizer's step, once the first parameter was replaced
+        _hook = register_optimizer_step_pre_hook(_refuse_replaced)
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if not _REPLACED:
+        return
+    signature = (_version, sum(len(g["params"]) for g in optimizer.param_groups))
+    if _CHECKED.get(optimizer) == signature:
+        return
+    stale = [
+        found for g in optimizer.param_groups for p in g["params"] if (found := replaced_by(p))
+    ]
+    if stale:
+        names = ", ".join(name for name, _ in stale[:5]) + (" ..." if len(stale) > 5 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step: the optimizer holds {len(stale)} parameter(s) that "
+            f"{stale[0][1]} replaced with sharded ones ({names}): it was built before the model "
+            "was sharded, and its steps would change nothing. Build the optimizer from "
+            "model.parameters() after parallelize / fully_shard_moe / apply_expert_parallel"
+        )
+    _CHECKED[optimizer] = signature
