@@ -417,6 +417,30 @@ def test_error_missing_expert_key(tmp_path):
     _expect(r"missing key 'm\.experts\.3\.down_proj\.weight'.*4 of the 5", _fused_model(), tmp_path)
 
 
+def test_expert_key_of_a_dtype_not_read_is_named_with_it(tmp_path):
+    """It was 'missing key ...: the checkpoint has 4 of the 5 keys' for a key that is there, in a
+    dtype this loader does not know (a review)."""
+    import json
+    import struct
+
+    state = _fused_state()
+    per = {f"m.experts.{i}.down_proj.weight": state["m.experts.down_proj"][i] for i in range(5)}
+    path = write_safetensors(tmp_path / "model.safetensors", per)
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header["m.experts.3.down_proj.weight"]["dtype"] = "F4"
+    raw_safetensors(path, header, raw[8 + n :])
+    _expect(
+        r"'m\.experts\.3\.down_proj\.weight', one of the 5 keys that make up "
+        r"'m\.experts\.down_proj' \[5, 4, 3\], is in a dtype this loader cannot read \(F4\)",
+        _fused_model(),
+        tmp_path,
+        key_map="auto",
+        strict=False,
+    )
+
+
 def test_error_shape_and_dtype_mismatch(tmp_path):
     state = _fused_state()
     write_safetensors(tmp_path / "a.safetensors", state | {"m.norm": torch.zeros(5)})
@@ -1048,15 +1072,36 @@ def test_key_a_listed_shard_holds_but_the_index_omits_is_read(tmp_path):
     assert report.missing == [] and report.unused_keys == []
     for k, v in state.items():
         assert torch.equal(_state(model)[k], v), k
-    # Held by three shards and listed by none: the last by name, as from_pretrained reads it.
+    # Held by three shards and listed by none: equal copies load.
     write_safetensors(tmp_path / "s0.safetensors", {"a": torch.ones(1), **experts})
-    last = {"b": torch.ones(1), "m.experts.gate_up_proj": torch.full((5, 6, 4), 3.0)}
+    last = {"b": torch.ones(1), "m.experts.gate_up_proj": state["m.experts.gate_up_proj"]}
     write_safetensors(tmp_path / "s3.safetensors", last)
     listed = {"m.norm": "s1.safetensors", "m.experts.down_proj": "s2.safetensors"}
     write_index(tmp_path, listed | {"a": "s0.safetensors", "b": "s3.safetensors"})
     report = load_sharded(model, tmp_path)
     assert report.unused_keys == ["a", "b"]
     assert torch.equal(_state(model)["m.experts.gate_up_proj"], last["m.experts.gate_up_proj"])
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
+def test_key_two_shards_hold_with_different_values_is_refused(tmp_path, listed):
+    """load_sharded read the index's shard, from_pretrained the last by name: the same folder
+    gave 1.0 here and 7.0 there, silently (a review). Copies that differ are now refused, naming
+    both files, before anything is read; equal ones load (above)."""
+    state = _fused_state()
+    write_safetensors(tmp_path / "s1.safetensors", state)
+    write_safetensors(
+        tmp_path / "s2.safetensors", {"m.norm": torch.full((4,), 7.0), "x": state["m.norm"]}
+    )
+    names = {k: "s1.safetensors" for k in state if listed or k != "m.norm"}
+    write_index(tmp_path, names | {"x": "s2.safetensors"})
+    model = _fused_model()
+    _expect(
+        r"'m\.norm' is held by two shards with different values: .*s[12]\.safetensors .*"
+        r"s[12]\.safetensors .*from_pretrained reads s2\.safetensors",
+        model,
+        tmp_path,
+    )
 
 
 def test_missing_keys_error_names_the_one_file_a_folder_was_read_from(tmp_path):

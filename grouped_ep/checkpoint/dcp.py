@@ -47,7 +47,7 @@ from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
-from grouped_ep.checkpoint.checksum import ChecksumWriter
+from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -265,7 +265,10 @@ def save(
                         f"names the previous checkpoint): {'; '.join(problems[:5])}"
                     )
                 try:
-                    commit_step(root, tmp, final, manifest | {"saved_at": time.time()})
+                    # `.metadata` is unpickled before anything else: its CRC32C is checked first
+                    md_crc = file_crc(tmp / METADATA_FILE)
+                    stamp = {"saved_at": time.time(), "metadata_crc32c": md_crc}
+                    commit_step(root, tmp, final, manifest | stamp)
                 except LatestNotUpdated as e:  # nothing to remove: the step is complete
                     raise CheckpointError(
                         f"save: {final} is complete and holds this save, but pointing `latest` "

@@ -122,8 +122,20 @@ def export_hf(
             raise CheckpointError(f"export_hf: {out_dir} exists and is not a directory")
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
+            # what it writes or replaces there, as directories: the export would fail part-way
+            ours = (INDEX_FILE, "config.json", "generation_config.json")
+            blocked = sorted(
+                p.name
+                for p in out_dir.iterdir()
+                if (p.name in ours or _HF_WEIGHTS.fullmatch(p.name)) and p.is_dir()
+            )
         except OSError as e:
             raise CheckpointError(f"export_hf: cannot create {out_dir} ({e})") from e
+        if blocked:
+            raise CheckpointError(
+                f"export_hf: {out_dir} holds directories named as files it writes or replaces: "
+                f"{', '.join(blocked)}; move them away"
+            )
 
     on_rank0(prepare)
     entries = plan(model, rank, world)

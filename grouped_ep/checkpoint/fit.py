@@ -104,6 +104,15 @@ def check_format(ckpt: Path, manifest: dict, who: str = "load") -> None:
             f"formats 1 to {FORMAT_VERSION}: the checkpoint was saved by a newer grouped_ep, "
             "which is needed to load it"
         )
+    tied = manifest.get("tied", [])
+    if not (
+        isinstance(tied, list)
+        and all(isinstance(g, list) and all(isinstance(k, str) for k in g) for g in tied)
+    ):
+        raise CheckpointError(
+            f'{who}: {ckpt / MANIFEST_FILE}: "tied" is {tied!r}, expected lists of key names '
+            "(the manifest is damaged)"
+        )
 
 
 def warn_untracked_ties(ckpt: Path, manifest: dict, stateless: list[str]) -> None:

@@ -8,6 +8,7 @@ against the files; `python -m grouped_ep inspect DIR` prints the result.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -92,12 +93,38 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
             f"checkpoint {path} has no {METADATA_FILE} file: not a complete DCP checkpoint (a save "
             "that did not finish writes none)"
         )
+    _check_metadata_crc(path)  # before unpickling it: one flipped bit could ask for many GB
     try:
         return FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated or foreign file: pickle raises many types
         raise CheckpointError(
             f"checkpoint {path}: cannot read {METADATA_FILE} ({type(e).__name__}: {e})"
         ) from e
+
+
+def _check_metadata_crc(path: Path) -> None:
+    """Against the `[length, CRC32C]` of `.metadata` that the manifest records (saves since
+    2026-11-28; others, and a manifest that cannot be read, which `load` names, are not
+    checked)."""
+    from grouped_ep.checkpoint.checksum import file_crc  # both import this module
+    from grouped_ep.checkpoint.layout import MANIFEST_FILE
+
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    want = manifest.get("metadata_crc32c") if isinstance(manifest, dict) else None
+    if want is None:
+        return
+    try:
+        got = file_crc(path / METADATA_FILE)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read {METADATA_FILE} ({e})") from e
+    if got != want:
+        raise CheckpointError(
+            f"{path / METADATA_FILE}: its [length, CRC32C] is {got}, the manifest "
+            f"{path / MANIFEST_FILE} records {want}: the file changed since the save (damaged)"
+        )
 
 
 def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[ChunkInfo]) -> list[str]:
@@ -162,10 +189,24 @@ def describe(path: str | os.PathLike) -> CheckpointInfo:
     path = resolve(path)  # a folder that cannot be read is a CheckpointError there
     md = read_metadata(path)
     out = CheckpointInfo(path=path, metadata=md)
-    missing: dict[str, list[str]] = {}  # missing file -> keys with bytes in it
     for name in sorted(os.listdir(path)):
-        if name.endswith(".distcp"):
+        if name.endswith(".distcp") and (path / name).is_file():  # not a dangling link
             out.files[name] = (path / name).stat().st_size
+    try:
+        _check_files(path, md, out)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a .metadata of other objects than DCP writes)
+        raise CheckpointError(
+            f"checkpoint {path}: {METADATA_FILE} does not describe a DCP checkpoint "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    return out
+
+
+def _check_files(path: Path, md: Metadata, out: CheckpointInfo) -> None:
+    """`describe`'s checks of `md` against the files, into `out.problems`."""
+    missing: dict[str, list[str]] = {}  # missing file -> keys with bytes in it
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             dtype = meta.properties.dtype
@@ -200,7 +241,6 @@ def describe(path: str | os.PathLike) -> CheckpointInfo:
     for name, keys in sorted(missing.items()):
         held = ", ".join(sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
         out.problems.insert(0, f"data file {name} is missing (it holds bytes of {held})")
-    return out
 
 
 def _fmt_bytes(n: int) -> str:

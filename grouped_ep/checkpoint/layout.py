@@ -63,6 +63,24 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def read_latest(latest: Path) -> str:
+    """The step directory name a `latest` file holds (OSError if it cannot be read)."""
+    try:
+        return latest.read_text().strip()
+    except UnicodeDecodeError as e:  # not text: a damaged file
+        raise CheckpointError(
+            f"{latest}: expected a checkpoint directory name, got bytes ({e})"
+        ) from e
+
+
+def _latest_or_none(latest: Path) -> str | None:
+    """For a save: what `latest` names, None when absent or not text (the save replaces it)."""
+    try:
+        return read_latest(latest) if latest.is_file() else None
+    except CheckpointError:
+        return None
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory that `path` names: itself, or the one its `latest` file names.
 
@@ -80,7 +98,7 @@ def _resolve(path: Path) -> Path:
         return path
     latest = path / LATEST_FILE
     if latest.is_file():
-        name = latest.read_text().strip()
+        name = read_latest(latest)
         if not name or "/" in name or name.startswith("."):
             raise CheckpointError(f"{latest}: expected a checkpoint directory name, got {name!r}")
         target = path / name
@@ -182,8 +200,8 @@ class LatestNotUpdated(Exception):
 def latest_name(root: Path) -> str:
     """What `root/latest` names, for messages."""
     try:
-        return repr((root / LATEST_FILE).read_text().strip())
-    except OSError:
+        return repr(read_latest(root / LATEST_FILE))
+    except (OSError, CheckpointError):
         return "nothing (it cannot be read)"
 
 
@@ -242,7 +260,7 @@ def restore_swapped_out(root: Path) -> None:
     """Before a save clears `.tmp-*`: put back a checkpoint that `latest` names and that only
     survives as a swapped-out copy (see `commit_step`)."""
     latest = root / LATEST_FILE
-    name = latest.read_text().strip() if latest.is_file() else ""
+    name = _latest_or_none(latest) or ""
     if not name.startswith(STEP_PREFIX) or (root / name).exists():
         return
     copy = swapped_out(root, name)
@@ -264,7 +282,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
     steps = complete_steps(root)
     latest = root / LATEST_FILE
-    current = latest.read_text().strip() if latest.is_file() else None
+    current = _latest_or_none(latest)
     now = next((s for s, p in steps.items() if p.name == current), None)
     above = sorted(s for s in steps if now is not None and s > now)
     if above:

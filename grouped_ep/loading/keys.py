@@ -227,6 +227,12 @@ def resolve_pieces(
                 partial = (layout[found.index(False)][0], sum(found), len(found))
         if partial is not None:
             key, n, m = partial
+            unreadable = getattr(ckpt, "unreadable", {}).get(key)
+            if unreadable is not None:  # there, in a dtype not read: not "missing"
+                raise LoadError(
+                    f"{ckpt.root}: {key!r}, one of the {m} keys that make up {name!r} "
+                    f"{list(shape)}, is in a dtype this loader cannot read ({unreadable})"
+                )
             raise LoadError(
                 f"{ckpt.root}: missing key {key!r}: the checkpoint has {n} of the {m} keys that "
                 f"make up {name!r} {list(shape)}"

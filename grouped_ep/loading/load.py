@@ -36,6 +36,7 @@ from grouped_ep._signals import sigint_deferred
 from grouped_ep._validate import canonical_device, check_can_hold, check_flag, is_int
 from grouped_ep.loading.buffers import fresh_buffers, nonpersistent_names
 from grouped_ep.loading.converted import conversions_cached, is_transformers_model
+from grouped_ep.loading.copies import refuse_differing_copies
 from grouped_ep.loading.dequant import read_quantized
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.keys import (
@@ -367,6 +368,7 @@ def load_sharded(
                 key_names,
             )
         )
+    refuse_differing_copies(files_ckpt, used)
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     try:
         buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing

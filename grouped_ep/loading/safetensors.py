@@ -229,6 +229,8 @@ class Checkpoint:
     files: dict[str, SafetensorsFile]
     entries: dict[str, TensorEntry]
     unreadable: dict[str, str] = field(default_factory=dict)  # key -> unknown dtype name
+    # key -> its other copies, in other shards than the one read (see loading/copies.py)
+    copies: dict[str, list[TensorEntry]] = field(default_factory=dict)
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -305,6 +307,10 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
         raise LoadError(f"{checkpoint}: cannot be read ({e})") from e
 
 
+def _visible(p: Path) -> bool:
+    return p.is_file() and not p.name.startswith(".")
+
+
 def _open_checkpoint(path: Path) -> Checkpoint:
     index_path: Path | None = None
     single: Path | None = None
@@ -314,8 +320,9 @@ def _open_checkpoint(path: Path) -> Checkpoint:
         elif (path / INDEX_NAME).is_file():
             index_path = path / INDEX_NAME
         else:
-            indexes = sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
-            files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+            # not hidden files: an export's temporary `.tmp-...` ones, left by a failed export
+            indexes = sorted(p for p in path.glob("*.safetensors.index.json") if _visible(p))
+            files = sorted(p for p in path.glob("*.safetensors") if _visible(p))
             if len(indexes) == 1:
                 index_path = indexes[0]
             elif not indexes and len(files) == 1:
@@ -398,7 +405,12 @@ def _open_checkpoint(path: Path) -> Checkpoint:
                 entries.pop(key, None)
     if misplaced:
         _warn_misplaced(index_path, misplaced, entries)
-    return Checkpoint(str(path), files, entries, unreadable)
+    copies: dict[str, list[TensorEntry]] = {}
+    for header in files.values():
+        for key, entry in header.tensors.items():
+            if key in entries and entries[key] is not entry:
+                copies.setdefault(key, []).append(entry)
+    return Checkpoint(str(path), files, entries, unreadable, copies)
 
 
 def _warn_misplaced(index_path: Path, misplaced: set[str], entries: dict) -> None:
