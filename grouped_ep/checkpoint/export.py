@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -225,6 +226,20 @@ def export_hf(
     return result if rank == 0 else None
 
 
+@contextlib.contextmanager
+def _gathers_unlogged():
+    """torch logs a warning when it gathers a (_StridedShard, Shard) expert weight of a dp x ep
+    mesh in two all-gathers, that they "may give inconsistent results between ranks due to
+    different reduction orders": a gather reduces nothing, and users took it for a fault."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _write_rank(
     model: nn.Module,
     entries: list[Entry],
@@ -246,7 +261,8 @@ def _write_rank(
         group: dict[str, torch.Tensor] = {}
         for name, member in e.members or ([(e.name, e.tensor)] if e.kind == "whole" else []):
             # full_tensor is a collective: every rank, every such entry, in order
-            group[name] = member.full_tensor() if isinstance(member, DTensor) else member
+            with _gathers_unlogged():
+                group[name] = member.full_tensor() if isinstance(member, DTensor) else member
         if error is not None or rank not in e.writes:
             group = {}  # gathered tensors another rank writes: dropped at once
             continue
