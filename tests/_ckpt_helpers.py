@@ -107,3 +107,18 @@ def write_index(directory: str | Path, weight_map: dict[str, str]) -> Path:
     path = Path(directory) / "model.safetensors.index.json"
     path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+def rewrite_metadata(step: str | Path, meta) -> None:
+    """Write `meta` as the `.metadata` of checkpoint directory `step` and record its new length
+    and CRC32C in the manifest, as a save would: a crafted, well-formed `.metadata` (the CRC
+    check refuses any other change)."""
+    import pickle
+
+    from grouped_ep.checkpoint.checksum import file_crc
+
+    step = Path(step)
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    manifest["metadata_crc32c"] = file_crc(step / ".metadata")
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))

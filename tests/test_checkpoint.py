@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _ckpt_helpers import tiny_mixtral_config
+from _ckpt_helpers import rewrite_metadata, tiny_mixtral_config
 from test_checkpoint_dist import tiny_qwen3_moe
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -151,6 +151,10 @@ def test_truncated_data_file_is_named(saved: Path) -> None:
 def test_truncated_metadata_and_dangling_latest(saved: Path) -> None:
     meta = saved / ".metadata"
     meta.write_bytes(meta.read_bytes()[:40])
+    _load_fails(saved, ".metadata: its [length, CRC32C] is [40, ", "changed since the save")
+    manifest = json.loads((saved / "grouped_ep.json").read_text())
+    del manifest["metadata_crc32c"]  # as saved before 2026-11-28: unpickled, and refused then
+    (saved / "grouped_ep.json").write_text(json.dumps(manifest))
     _load_fails(saved, "cannot read .metadata")
     shutil.rmtree(saved)
     _load_fails(saved.parent, "latest names step-00000001, which does not exist")
@@ -268,7 +272,7 @@ def test_parameter_without_optimizer_state_resumes(tmp_path: Path) -> None:
     # the same checkpoint with one of dense.weight's state tensors gone is refused, by name
     meta = pickle.loads((tmp_path / "step-00000001" / ".metadata").read_bytes())
     del meta.state_dict_metadata["optim.state.dense.weight.exp_avg_sq"]
-    (tmp_path / "step-00000001" / ".metadata").write_bytes(pickle.dumps(meta))
+    rewrite_metadata(tmp_path / "step-00000001", meta)
     with pytest.raises(ck.CheckpointError, match="optim.state.dense.weight.exp_avg_sq"):
         ck.load(tmp_path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
 
@@ -355,13 +359,13 @@ def test_inspect_lists_chunks_and_checks_coverage(saved: Path, capsys) -> None:
         ChunkStorageMetadata(offsets=torch.Size([0, 0, 0]), sizes=torch.Size([2, 6, 5])),
         ChunkStorageMetadata(offsets=torch.Size([1, 0, 0]), sizes=torch.Size([1, 6, 5])),
     ]
-    meta_path.write_bytes(pickle.dumps(meta))
+    rewrite_metadata(saved, meta)
     assert cli(["inspect", str(saved)]) == 1
     captured = capsys.readouterr()
     assert "model.experts: chunks at [0, 0, 0] and [1, 0, 0] overlap" in captured.out
     assert "problem(s)" in captured.err
     experts.chunks = experts.chunks[:1]
-    meta_path.write_bytes(pickle.dumps(meta))
+    rewrite_metadata(saved, meta)
     assert cli(["inspect", str(saved)]) == 1
     assert "model.experts: chunks cover 60 of 120 elements" in capsys.readouterr().out
     with pytest.raises(ck.CheckpointError, match="a gap"):
