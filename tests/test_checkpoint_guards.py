@@ -622,3 +622,32 @@ def test_a_path_starting_with_a_tilde_is_not_found_with_a_hint(tmp_path, monkeyp
     save_file(model.state_dict(), str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(LoadError, match=r"not found \('~' is not expanded"):
         load_sharded(model, "~/hf")
+
+
+def test_save_of_an_optimizer_without_state_runs_no_step(tmp_path: Path) -> None:
+    """To give the state dict every key torch runs a step at lr 0; an optimizer that sets its
+    own step size (transformers' Adafactor) then changed the parameters, and step hooks ran, on
+    a save of an optimizer that had not stepped (a review)."""
+
+    class OwnStepSize(torch.optim.Optimizer):  # ignores lr, as Adafactor's relative step does
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p]["seen"] = self.state[p].get("seen", 0) + 1
+                        p.add_(0.5)
+
+    model = nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = OwnStepSize(model.parameters())
+    steps = []
+    handle = opt.register_step_pre_hook(lambda *args: steps.append(1))
+    ck.save(tmp_path, model, opt, step=1)
+    handle.remove()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert steps == [] and not opt.state
+    assert all(p.grad is None for p in model.parameters())

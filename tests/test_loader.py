@@ -1206,3 +1206,43 @@ def test_a_tied_transformers_config_against_an_untied_checkpoint_names_the_flag(
     ref = AutoModelForCausalLM.from_pretrained(folder)
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
     assert torch.equal(ref.lm_head.weight, model.lm_head.weight)
+
+
+def test_differing_copies_are_refused_when_keys_are_renamed_to_fit_the_model(tmp_path):
+    """A base model's checkpoint read into the model with a head (`model.` added, as
+    from_pretrained does): the comparison looked up the renamed keys among the files' names and
+    never ran (a review: norm.weight loaded 1.0 where from_pretrained gives 7.0)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in LlamaModel(cfg).state_dict().items()}
+    cfg.save_pretrained(tmp_path)
+    first = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
+    second = {
+        "embed_tokens.weight": state["embed_tokens.weight"],
+        "norm.weight": torch.full_like(state["norm.weight"], 7.0),
+    }
+    save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    names = {k: "model-00001-of-00002.safetensors" for k in first}
+    names["embed_tokens.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    for cls in (LlamaModel, LlamaForCausalLM):
+        _expect(
+            r"'norm\.weight' is held by two shards with different values",
+            cls(cfg),
+            tmp_path,
+            strict=False,
+        )

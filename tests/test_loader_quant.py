@@ -734,6 +734,10 @@ def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path, config):
             self.weight_scale = torch.nn.Parameter(torch.rand(1, generator=g), requires_grad=False)
 
     save_file(dict(FP8Linear(0).state_dict()), str(tmp_path / "model.safetensors"))
+    bare = FP8Linear(1)
+    del bare.weight_scale  # an fp8 model without the scales: the codes alone are wrong values
+    with pytest.raises(LoadError, match=r"no scale tensor of its own: copied as they are"):
+        load_sharded(bare, tmp_path, strict=False)
     if config:
         qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
         (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))

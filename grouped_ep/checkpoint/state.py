@@ -38,28 +38,30 @@ def state_dicts(
     """The state dicts DCP saves or loads into.
 
     torch's `get_state_dict` gives an optimizer that has no state yet some, by a step at lr 0
-    with zero gradients (AdamW: step 1, zero moments), so that its state dict has every key. That
-    state is not the run's: the next real step would be bias-corrected as the second. So unless
-    `keep_made_state` (`load` reads into it, and takes it out again if the load fails) it is
-    removed, from the optimizer and from the state dict: saved as no state, resumed as none.
-
-    torch skips that step when any parameter has a gradient, and a load would then read no
-    optimizer state at all, silently: the gradients are set aside for it and put back.
+    with zero gradients (AdamW: step 1, zero moments), so that its state dict has every key; it
+    skips that step when any parameter has a gradient. `load` (`keep_made_state`) reads into
+    that state, and takes it out again if the load fails: the gradients are set aside for the
+    step and put back (with one present, no state was built and the load read none, silently).
+    `save` wants none of it: that state is not the run's, and a step at lr 0 still changes an
+    optimizer that sets its own step size (transformers' Adafactor) and runs step hooks. So a
+    save holds a zero gradient on one parameter while torch looks, and saves no state.
     """
     opts = StateDictOptions(full_state_dict=False)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=opts)}
-    had_state = bool(optimizer.state)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    grads = [p.grad for p in params] if not had_state else []
+    grads = [p.grad for p in params]
     try:
-        for p in params if grads else ():
-            p.grad = None
+        if not optimizer.state and keep_made_state:
+            for p in params:
+                p.grad = None  # torch's step of zeros builds the state to read into
+        elif not optimizer.state and params and all(g is None for g in grads):
+            small = min(params, key=lambda p: p.numel())
+            small.grad = torch.zeros_like(small)  # no step: nothing to build, nothing changed
         msd, osd = get_state_dict(model, optimizer, options=opts)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    if not had_state and optimizer.state and not keep_made_state:
-        optimizer.state.clear()
+    if not keep_made_state and not osd.get("state"):
         osd = {**osd, "state": {}}
     return {"model": msd, "optim": osd}

@@ -325,6 +325,7 @@ def load_sharded(
                         model=model,
                     )
         renamed = {old: new for new, old in key_names.items()}  # file key -> key in `ckpt`
+        model_names = {n for t in targets for n in t.names}
         used.update(renamed.get(k, k) for k in tied_copies)  # equal copies of a tied tensor
         for target in targets:
             shape = tuple(target.tensor.shape)
@@ -340,7 +341,7 @@ def load_sharded(
                 missing.append(target.name)
                 continue
             used.update(renamed.get(p.entry.key, p.entry.key) for p in target.pieces)
-            if is_quantized(quant_cfg, target, ckpt):
+            if is_quantized(quant_cfg, target, ckpt, model_names):
                 plan_quant(target, quant_cfg, ckpt, file_ids, device, hf_layout)
                 used.update(target.quant.scale_keys)
                 quantized.append(target)
@@ -368,7 +369,7 @@ def load_sharded(
                 key_names,
             )
         )
-    refuse_differing_copies(files_ckpt, used)
+    refuse_differing_copies(files_ckpt, {key_names.get(k, k) for k in used})
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     try:
         buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing

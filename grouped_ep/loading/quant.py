@@ -18,6 +18,7 @@ blocks that cover them, each read once even where a shard boundary cuts through 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,25 +258,44 @@ def _scale_entry(cfg: QuantConfig, piece: Piece, ckpt: Checkpoint) -> tuple[Tens
     return scale, cfg.block
 
 
-def is_quantized(cfg: QuantConfig | None, target: Target, ckpt: Checkpoint) -> bool:
+def _scale_names(key: str) -> list[str]:
+    """Where the scales of quantized key `key` (fp8 codes, or MXFP4 `_blocks`) may be."""
+    return (
+        [key[: -len("_blocks")] + "_scales"] if key.endswith("_blocks") else _fp8_scale_names(key)
+    )
+
+
+def is_quantized(
+    cfg: QuantConfig | None, target: Target, ckpt: Checkpoint, model_names: Collection[str] = ()
+) -> bool:
     """Whether `target`'s pieces are quantized; a quantized checkpoint without a
-    quantization_config is an error (its values would be wrong without their scales)."""
+    quantization_config is an error (its values would be wrong without their scales).
+    `model_names`: the model's tensors, to tell a model that holds its own scales."""
     quant = [
         p for p in target.pieces if p.entry.dtype in FP8_DTYPES or p.entry.key.endswith("_blocks")
     ]
-    if not quant or all(p.entry.dtype == target.tensor.dtype for p in quant):
-        return False  # none, or a model tensor that holds the codes itself (an fp8 inference
-        # module next to its own scales): a plain copy, config or not
-    if cfg is None or (cfg.method == "fp8") != (quant[0].entry.dtype in FP8_DTYPES):
-        e = quant[0].entry
+    if not quant:
+        return False
+    e = quant[0].entry
+    scales = [k for k in _scale_names(e.key) if k in ckpt]
+    if all(p.entry.dtype == target.tensor.dtype for p in quant):
+        if not scales or any(k in model_names for k in scales):
+            # plain codes, or a model that holds the codes and their scales itself (an fp8
+            # inference module): a plain copy, config or not
+            return False
+        raise LoadError(
+            f"{e.path}: {e.key!r} holds {e.dtype} codes scaled by {scales[0]!r}, and the model's "
+            f"{target.name!r} is {target.tensor.dtype} with no scale tensor of its own: copied "
+            "as they are, its values would be the unscaled codes. Build the model in bfloat16, "
+            f"float16 or float32 (the codes are dequantized), or give it {scales[0]!r}"
+        )
+    if cfg is None or (cfg.method == "fp8") != (e.dtype in FP8_DTYPES):
         scale = fp8_scale_key(e.key) if e.dtype in FP8_DTYPES else e.key[:-7] + "_scales"
         if cfg is None and e.dtype in FP8_DTYPES:
             # DeepSeek's `weight_scale_inv`, or compressed-tensors' / ModelOpt's `weight_scale`
-            scale = next((k for k in _fp8_scale_names(e.key) if k in ckpt), None)
-            if scale is None or target.tensor.dtype in FP8_DTYPES:
-                # no scales, or an fp8 model tensor that takes the codes as they are (the model
-                # holds its scales itself): a plain copy, as for bf16
-                return False
+            scale = scales[0] if scales else None
+            if scale is None:
+                return False  # no scales: fp8 values as they are, as for bf16
         said = "no config.json quantization_config says so" if cfg is None else ""
         said = said or f"{cfg.source} says quant_method {cfg.method!r}"
         raise LoadError(
