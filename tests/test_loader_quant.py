@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import grouped_ep  # noqa: F401  (loads the ops)
 from grouped_ep import LoadError, load_sharded
-from grouped_ep.loading.quant import fp8_scale_key
+from grouped_ep.loading.quant_formats import fp8_scale_key
 
 
 def _exact(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
@@ -782,7 +782,7 @@ def test_fp8_key_read_only_in_part_is_refused_naming_its_file():
     """A quantized key the model takes only part of (q_proj's rows of a fused qkv_proj, a
     transposed key) cannot be dequantized by blocks; the error named the key but not its file."""
     from grouped_ep.loading.plan import Piece, Target
-    from grouped_ep.loading.quant import QuantConfig, is_quantized
+    from grouped_ep.loading.quant_formats import QuantConfig, is_quantized
     from grouped_ep.loading.safetensors import TensorEntry
 
     fused = TensorEntry(

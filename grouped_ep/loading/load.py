@@ -49,13 +49,8 @@ from grouped_ep.loading.keys import (
 )
 from grouped_ep.loading.plan import Target, local_tensor, plan_target
 from grouped_ep.loading.prefixes import model_named, toggle_prefix
-from grouped_ep.loading.quant import (
-    is_quantized,
-    mxfp4_pieces,
-    orphan_scales,
-    plan_quant,
-    read_quant_config,
-)
+from grouped_ep.loading.quant import mxfp4_pieces, plan_quant
+from grouped_ep.loading.quant_formats import is_quantized, orphan_scales, read_quant_config
 from grouped_ep.loading.read import Progress, default_threads, read_direct, read_staged
 from grouped_ep.loading.safetensors import open_checkpoint
 from grouped_ep.loading.targets import model_targets, put_in_model, warn_replaced
