@@ -412,3 +412,41 @@ def test_numpy_scalars_and_one_element_tensors_are_numbers():
     assert moe.aux_loss_grad_scale == 0.5
     set_aux_loss_scale(moe, np.float64(0.25))
     assert moe.aux_loss_grad_scale == 0.25
+
+
+def test_aux_scale_of_each_forward_holds_under_activation_checkpointing():
+    """The scale was a saved tensor, which checkpointing recomputes in the backward: with both
+    backwards after both forwards, each aux term took the last scale set (router gradient 1.8e-2
+    off; a review). Kept on the forward's context now: the same gradient as without
+    checkpointing (reentrant checkpointing reruns the forward at backward time, see README)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    xs = [torch.randn(7, 16) for _ in range(2)]
+    gys = [torch.randn(7, 16) for _ in range(2)]
+    grads = {}
+    for mode in ("plain", "checkpointed"):
+        torch.manual_seed(1)
+        moe = MoE(16, 8, 4, 2, aux_loss_coef=0.5)
+        losses = []
+        for x, gy, s in zip(xs, gys, (0.25, 0.75)):
+            set_aux_loss_scale(moe, s)
+            y = moe(x) if mode == "plain" else checkpoint(moe, x, use_reentrant=False)
+            losses.append(s * (y * gy).sum())
+        sum(losses).backward()
+        grads[mode] = moe.router.weight.grad
+    torch.testing.assert_close(grads["checkpointed"], grads["plain"], rtol=0, atol=1e-6)
+
+
+def test_peek_load_counts_is_a_copy():
+    """It returned the live count: a value kept for logging changed with the next forward, and
+    zeroing it zeroed the layer's own count (a review)."""
+    torch.manual_seed(0)
+    moe = MoE(16, 8, 4, 2, expert_bias_gamma=1e-3)
+    moe(torch.randn(5, 16))
+    kept = moe.peek_load_counts()
+    assert int(kept.sum()) == 10
+    moe(torch.randn(5, 16))
+    kept.zero_()
+    assert int(moe.peek_load_counts().sum()) == 20
+    assert int(moe.take_load_counts().sum()) == 20 and int(moe.peek_load_counts().sum()) == 0

@@ -73,12 +73,16 @@ class _AddAuxLossGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
-        ctx.save_for_backward(aux_loss, coef)
+        ctx.save_for_backward(aux_loss)
+        # The scale as it is now, kept on ctx: a saved tensor is recomputed in the backward under
+        # activation checkpointing, and would read the scale of a later micro-batch (a review).
+        ctx.coef = coef.clone()
         return out.clone()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        aux_loss, coef = ctx.saved_tensors
+        (aux_loss,) = ctx.saved_tensors
+        coef = ctx.coef
         # In place on a fresh tensor: aux_loss's dtype and device, and the CPU coef read as a
         # scalar (coef.to(device) would be a blocking host-to-device copy in every backward).
         return grad_out, torch.ones_like(aux_loss).mul_(coef), None

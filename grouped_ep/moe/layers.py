@@ -299,16 +299,17 @@ class MoE(nn.Module):
 
     def peek_load_counts(self) -> Tensor:
         """`[E]` int64 tokens per expert routed by training forwards since the last
-        `take_load_counts` (zeros when none ran)."""
+        `take_load_counts` (zeros when none ran): a copy (it was the live count, which the next
+        forward changed under a value kept for logging; a review)."""
         counts = self._load_counts
         if counts is None:
             device = self.expert_bias.device if hasattr(self, "expert_bias") else None
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-        return counts
+            return torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return counts.clone()
 
     def take_load_counts(self) -> Tensor:
         """`peek_load_counts()`, and resets the count. Used by `update_expert_bias`."""
-        counts = self.peek_load_counts()
+        counts = self.peek_load_counts() if self._load_counts is None else self._load_counts
         self._load_counts = None
         return counts
 
