@@ -7,8 +7,12 @@
 Each suite lives in bench/suites/<name>.py and defines `TITLE` and
 `run(device, quick, log, rows) -> list[dict]` (one flat row per case appended to `rows`, ratios
 against baselines measured in the same run). Results go to bench/results/<device>-<date>.{json,md}
-and one PNG per suite, written after every suite; a run stopped with Ctrl-C writes the rows
-finished so far, its suite marked interrupted, and exits with status 130.
+and one PNG per suite, written after every suite (`-2`, `-3`, ... added when a run of the same
+minute has the name); a run stopped with Ctrl-C (or SIGTERM: `timeout`, `kill`) writes the rows
+finished so far, its suite marked interrupted, and exits with status 130 (143). What is timed is
+checked first: grouped_ep's GEMM output and gradients against the per-expert loop in fp32, a
+checkpoint load against the values saved; a wrong result, or grouped_ep failing, fails its suite
+(marked FAILED in the results) and the run exits with status 1.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import math
 import platform
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -155,16 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replot", type=Path, help="redraw the PNGs of a saved results .json")
     args = ap.parse_args(argv)
     if args.replot:
-        saved = json.loads(args.replot.read_text())
-        for suite, data in saved["suites"].items():
+        try:
+            saved = json.loads(args.replot.read_text())
+            suites_saved = saved["suites"].items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            ap.error(f"--replot {args.replot}: not a results .json of bench/run.py ({e})")
+        for suite, data in suites_saved:
             png = args.replot.with_name(args.replot.stem + f"-{suite}.png")
             plot(suite, data["rows"], png, f"{data['title']} — {saved['device']}")
             print(f"wrote {png}")
         return 0
     try:
         index = torch.device(args.device).index
+        kind = torch.device(args.device).type
     except RuntimeError as e:
         ap.error(f"--device {args.device}: {e}")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index is not None):
+        # meta ran nothing and was reported as the CPU (a review)
+        ap.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             ap.error("--device cuda: no CUDA device is visible")
@@ -193,20 +206,24 @@ def main(argv: list[str] | None = None) -> int:
         # GROUPED_EP_BACKEND (or auto): which CUDA kernels the grouped_ep rows ran.
         requested = report["gemm_backend_requested"] = grouped_ep.backend.get_backend()
         report["device"] = f"{name}; grouped_ep backend requested: {requested}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
+    base = _reserve(
+        ap, args.out, f"{slug(name)}-{stamp:%Y%m%d-%H%M}{'-quick' if args.quick else ''}"
+    )
     md = [
         f"# grouped_ep benchmarks\n\ndevice: {report['device']}; torch {torch.__version__}; "
         f"CPU capability: {report['cpu_capability']}; "
         f"date: {report['date']}; quick: {args.quick}\n"
     ]
     print(f"device: {name}; torch {torch.__version__}; CPU capability: {report['cpu_capability']}")
+    # `timeout` and `kill` stop it as Ctrl-C does: the finished rows are written (a review).
+    signal.signal(signal.SIGTERM, _terminated)
+    failed = []
     for suite in suites:
         module = importlib.import_module(f"suites.{suite}")
         print(f"== {suite}: {module.TITLE}", flush=True)
         t0 = time.perf_counter()
         rows: list[dict] = []
-        interrupted = False
+        interrupted = error = None
         try:
             module.run(
                 args.device,
@@ -214,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                 lambda msg, s=suite: print(f"[{s}] {msg}", flush=True),
                 rows,
             )
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as e:
+            interrupted = 143 if isinstance(e, _Terminated) else 130
             print(f"\n[{suite}] interrupted after {len(rows)} rows; writing them", flush=True)
+        except Exception as e:  # noqa: BLE001 (a wrong result, a failed kernel: the run fails)
+            error = f"{type(e).__name__}: {e}"
+            failed.append(suite)
+            print(f"\n[{suite}] FAILED after {len(rows)} rows: {error}", flush=True)
         seconds = time.perf_counter() - t0
         summ = summary(rows)
         report["suites"][suite] = {
@@ -224,15 +245,16 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "summary": summ,
             "seconds": seconds,
-            "interrupted": interrupted,
+            "interrupted": interrupted is not None,
+            "error": error,
         }
         table = markdown_table(rows)
         print(table)
         for col, s in summ.items():
             print(f"{col}: geomean {s['geomean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}")
         png = base.with_name(base.name + f"-{suite}.png")
-        has_png = plot(suite, rows, png, f"{module.TITLE} — {name}")
         stopped = f" (interrupted after {len(rows)} rows)" if interrupted else ""
+        stopped = f" (FAILED after {len(rows)} rows: {error})" if error else stopped
         md.append(f"\n## {suite}: {module.TITLE}{stopped}\n\n{table}")
         if summ:
             md.append(
@@ -243,16 +265,48 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 + "\n"
             )
-        if has_png:
-            md.append(f"\n![{suite}]({png.name})\n")
-        # Written after every suite: a run stopped in a later suite keeps the finished ones.
+        # Written after every suite (the tables first, the optional plot last): a run stopped
+        # in a later suite keeps the finished ones.
         base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
         base.with_suffix(".md").write_text("".join(md))
+        if plot(suite, rows, png, f"{module.TITLE} — {name}"):
+            md.append(f"\n![{suite}]({png.name})\n")
+            base.with_suffix(".md").write_text("".join(md))
         if interrupted:
             print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')} (interrupted)")
-            return 130
+            return interrupted
     print(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (see above)")
+        return 1
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (exit status 143)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _reserve(ap: argparse.ArgumentParser, out: Path, stem: str) -> Path:
+    """The results path of this run: `out/stem` (`-2`, `-3`, ... when a run of the same minute
+    has it: the later one replaced the other's files; a review), its .json created now, so that
+    an `out` that cannot be written is said at once, not after the first suite."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            base = out / (stem if n == 1 else f"{stem}-{n}")
+            try:
+                with open(base.with_suffix(".json"), "x") as f:
+                    f.write("{}\n")
+                return base
+            except FileExistsError:
+                continue
+    except OSError as e:
+        ap.error(f"--out {out}: cannot write results there ({e})")
+    ap.error(f"--out {out}: {stem}.json and 999 numbered copies exist")
 
 
 if __name__ == "__main__":

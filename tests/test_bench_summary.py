@@ -70,3 +70,33 @@ def test_a_stopped_suite_keeps_its_finished_rows(run, tmp_path, monkeypatch):
     assert [r["case"] for r in report["rows"]] == ["a", "b"]
     assert math.isclose(report["summary"]["vs_dense_x [float32 fwd]"]["geomean"], math.sqrt(0.75))
     assert "interrupted after 2 rows" in saved.with_suffix(".md").read_text()
+
+
+def test_a_wrong_product_fails_the_run_before_it_is_timed(run, tmp_path, monkeypatch):
+    """The CPU rows were never checked: a grouped_ep.gemm returning twice the product was timed
+    and reported with ratios, exit status 0 (a review)."""
+    import json
+    import signal
+
+    import grouped_ep
+
+    real = grouped_ep.gemm
+    monkeypatch.setattr(grouped_ep, "gemm", lambda *a, **k: real(*a, **k) * 2)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = run.main(["--suite", "gemm", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert rc == 1
+    (saved,) = tmp_path.glob("*.json")
+    gemm = json.loads(saved.read_text())["suites"]["gemm"]
+    assert gemm["rows"] == [] and "differs from the per-expert loop by 1" in gemm["error"]
+    assert "FAILED" in saved.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu:1"])
+def test_devices_that_run_nothing_are_refused(run, tmp_path, device):
+    """--device meta ran nothing and was reported as the CPU's numbers (a review)."""
+    with pytest.raises(SystemExit):
+        run.main(["--suite", "gemm", "--device", device, "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []

@@ -155,6 +155,20 @@ def _rss_in_subprocess(case: Case, side: str, path: Path) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _check_load(path: Path, model: nn.Module, opt) -> None:
+    """What is timed must work: a load into a changed model gives back the saved values (the
+    timed loads read into the model that holds them, where a load that did nothing would pass;
+    a review)."""
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.load(path, model, opt)
+    wrong = [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])]
+    if wrong:
+        raise RuntimeError(f"checkpoint: a load of {path} did not restore {wrong[:3]}: not timed")
+
+
 def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
     model, opt = _model_and_opt(case, device)
     unique = _unique_bytes(model, opt)
@@ -183,6 +197,7 @@ def _measure(case: Case, device: str, reps: int, work: Path) -> dict:
     with warnings.catch_warnings():  # DCP warns that it runs in one process: it does
         warnings.simplefilter("ignore", UserWarning)
         t_save, t_save_dcp, t_async = _alternating([save_ours, save_plain, save_async], reps)
+        _check_load(ours, model, opt)
         t_load, t_load_dcp, t_load_unchecked = _alternating(
             [
                 lambda: ck.load(ours, model, opt),

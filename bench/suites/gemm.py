@@ -85,6 +85,27 @@ def _impls(offs, sizes, trans_w):
     return {"grouped_ep": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
 
 
+_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _check(impls, x, w, dy, backward: bool) -> float:
+    """Largest relative error of grouped_ep's output (and dx, dw) against the fp32 loop."""
+    xi, wi = (t.detach().requires_grad_(backward) for t in (x, w))
+    xr, wr = (t.detach().float().requires_grad_(backward) for t in (x, w))
+    got, want = impls["grouped_ep"](xi, wi), impls["loop"](xr, wr)
+    pairs = [(got, want)]
+    if backward:
+        got.backward(dy)
+        want.backward(dy.float())
+        pairs += [(xi.grad, xr.grad), (wi.grad, wr.grad)]
+    return max(
+        float(
+            (a.detach().float() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30)
+        )
+        for a, b in pairs
+    )
+
+
 def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps: int) -> dict:
     sizes = group_sizes(case.rows, case.experts, routing)
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
@@ -104,15 +125,17 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
         "empty_groups": sum(1 for s in sizes if s == 0),
     }
     if device.startswith("cuda"):
-        # The backend grouped_ep ran (GROUPED_EP_BACKEND picks it), and a check that it computed
-        # the same product as the per-expert loop of torch.mm: max |ours - loop| / max |loop|.
+        # The backend grouped_ep ran (GROUPED_EP_BACKEND picks it).
         row["backend"] = grouped_ep.backend.backend_for(dtype, case.k, case.n)[0]
-        with torch.no_grad():
-            ref = impls["loop"](x, w).float()
-            row["rel_err_vs_loop"] = float(
-                (impls["grouped_ep"](x, w).float() - ref).abs().max() / ref.abs().max()
-            )
-        del ref
+    # What is timed must be right: grouped_ep's output (and for fwd+bwd its dx and dw) against
+    # the per-expert loop in fp32, max |ours - loop| / max |loop|; over the tolerance the run
+    # fails (a wrong product was timed and reported with ratios; a review).
+    row["rel_err_vs_loop"] = _check(impls, x, w, dy, backward)
+    if not row["rel_err_vs_loop"] <= _TOL[dtype]:
+        raise RuntimeError(
+            f"{case.name} {routing} {row['dtype']} {row['pass']}: grouped_ep differs from the "
+            f"per-expert loop by {row['rel_err_vs_loop']:.3g} (tolerance {_TOL[dtype]}): not timed"
+        )
     gflops = {}
     # A baseline with no fast kernel on this CPU (fp16 matmul without AVX512-FP16/AMX) can take
     # minutes per call: time it fewer times rather than not at all.
@@ -136,6 +159,8 @@ def _measure(case: Case, routing: str, dtype, device: str, backward: bool, reps:
         steps, device, reps=reps, warmup=2, budget_s=budget_s, min_s=min_s
     ).items():
         if isinstance(got, Exception):  # a baseline that refuses the inputs
+            if name == "grouped_ep":  # not a baseline: the run fails
+                raise RuntimeError(f"{case.name}: grouped_ep failed: {got}") from got
             gflops[name] = float("nan")
             row.setdefault("note", f"{name}: {str(got).splitlines()[0][:60]}")
         else:
