@@ -622,6 +622,13 @@ def test_a_path_starting_with_a_tilde_is_not_found_with_a_hint(tmp_path, monkeyp
     save_file(model.state_dict(), str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(LoadError, match=r"not found \('~' is not expanded"):
         load_sharded(model, "~/hf")
+    # Writing: a directory named '~' would be made in the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"save: root '~/new' starts with '~'"):
+        ck.save("~/new", model, step=1)
+    with pytest.raises(ck.CheckpointError, match=r"export_hf: dir '~/out' starts with '~'"):
+        ck.export_hf(model, "~/out")
+    assert not (tmp_path / "~").exists()
 
 
 def test_save_of_an_optimizer_without_state_runs_no_step(tmp_path: Path) -> None:

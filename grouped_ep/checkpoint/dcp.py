@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._reshard import reshard_all
-from grouped_ep._validate import check_flag, is_int
+from grouped_ep._validate import check_flag, is_int, refuse_tilde
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
@@ -145,6 +145,7 @@ def save(
     error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
     try:
         check_types(model, optimizer, extra)
+        refuse_tilde(root, "save: root")
         if step is None and extra is not None and extra.get("step") is not None:
             step = as_step(extra["step"], 'extra["step"]')
         elif step is not None:

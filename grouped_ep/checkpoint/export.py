@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
+from grouped_ep._validate import refuse_tilde
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
@@ -111,6 +112,7 @@ def export_hf(
     refuse_meta(model, "export_hf")
     if not os.fspath(dir):
         raise CheckpointError("export_hf: dir is empty; name the directory to export into")
+    refuse_tilde(dir, "export_hf: dir")
     limit = parse_size(max_shard_size)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
