@@ -50,21 +50,29 @@ def noting_replaced(model: nn.Module, caller: str) -> Iterator[None]:
         _hook = register_optimizer_step_pre_hook(_refuse_replaced)
 
 
+def held_replaced(optimizer: torch.optim.Optimizer) -> list[tuple[str, str]]:
+    """(name, caller) of every parameter `optimizer` holds that sharding replaced."""
+    return [found for g in optimizer.param_groups for p in g["params"] if (found := replaced_by(p))]
+
+
+def built_before_sharding(stale: list[tuple[str, str]]) -> str:
+    """The message for an optimizer holding the parameters `stale` names."""
+    names = ", ".join(name for name, _ in stale[:5]) + (" ..." if len(stale) > 5 else "")
+    return (
+        f"the optimizer holds {len(stale)} parameter(s) that {stale[0][1]} replaced with sharded "
+        f"ones ({names}): it was built before the model was sharded, and its steps change "
+        "nothing. Build the optimizer from model.parameters() after parallelize / "
+        "fully_shard_moe / apply_expert_parallel"
+    )
+
+
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if not _REPLACED:
         return
     signature = (_version, sum(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) == signature:
         return
-    stale = [
-        found for g in optimizer.param_groups for p in g["params"] if (found := replaced_by(p))
-    ]
+    stale = held_replaced(optimizer)
     if stale:
-        names = ", ".join(name for name, _ in stale[:5]) + (" ..." if len(stale) > 5 else "")
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step: the optimizer holds {len(stale)} parameter(s) that "
-            f"{stale[0][1]} replaced with sharded ones ({names}): it was built before the model "
-            "was sharded, and its steps would change nothing. Build the optimizer from "
-            "model.parameters() after parallelize / fully_shard_moe / apply_expert_parallel"
-        )
+        raise RuntimeError(f"{type(optimizer).__name__}.step: {built_before_sharding(stale)}")
     _CHECKED[optimizer] = signature

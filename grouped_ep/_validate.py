@@ -74,16 +74,3 @@ def tilde_hint(path: os.PathLike | str) -> str:
     if not text.startswith("~") or not os.path.exists(os.path.expanduser(text)):
         return ""
     return f" ('~' is not expanded: pass os.path.expanduser(path), {os.path.expanduser(text)})"
-
-
-def refuse_tilde(path: os.PathLike | str, what: str) -> None:
-    """A path to write into that starts with `~`: not expanded (as by open()), it would make a
-    directory named `~` in the working directory."""
-    text = os.fspath(path)
-    if text.startswith("~"):
-        from grouped_ep.checkpoint.errors import CheckpointError
-
-        raise CheckpointError(
-            f"{what} {text!r} starts with '~', which is not expanded (a directory named '~' "
-            f"would be made here): pass os.path.expanduser(...), {os.path.expanduser(text)}"
-        )

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._reshard import reshard_all
-from grouped_ep._validate import check_flag, is_int, refuse_tilde
+from grouped_ep._validate import check_flag, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
@@ -74,6 +74,7 @@ from grouped_ep.checkpoint.layout import (
     latest_name,
     next_step,
     prune,
+    refuse_tilde,
     restore_swapped_out,
     step_dir_name,
 )

@@ -46,13 +46,12 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
-from grouped_ep._validate import refuse_tilde
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
 from grouped_ep.checkpoint.fit import refuse_meta
 from grouped_ep.checkpoint.hf_config import write_hf_configs
-from grouped_ep.checkpoint.layout import write_text_atomic
+from grouped_ep.checkpoint.layout import refuse_tilde, write_text_atomic
 from grouped_ep.checkpoint.safetensors_writer import (
     PlannedTensor,
     StreamingSafetensorsWriter,

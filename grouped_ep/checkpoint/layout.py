@@ -63,6 +63,17 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def refuse_tilde(path: str | os.PathLike, what: str) -> None:
+    """A path to write into that starts with `~`: not expanded (as by open()), it would make a
+    directory named `~` in the working directory."""
+    text = os.fspath(path)
+    if text.startswith("~"):
+        raise CheckpointError(
+            f"{what} {text!r} starts with '~', which is not expanded (a directory named '~' "
+            f"would be made here): pass os.path.expanduser(...), {os.path.expanduser(text)}"
+        )
+
+
 def read_latest(latest: Path) -> str:
     """The step directory name a `latest` file holds (OSError if it cannot be read)."""
     try:

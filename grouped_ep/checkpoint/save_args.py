@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch import nn
 
-from grouped_ep._replaced import replaced_by
+from grouped_ep._replaced import built_before_sharding, held_replaced
 from grouped_ep._validate import is_int
 from grouped_ep.checkpoint.errors import CheckpointError, listed
 
@@ -58,16 +58,9 @@ def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> 
     ]
     foreign = [where for where, _ in strangers]
     on_meta = [where for where, meta in strangers if meta]
-    stale = [
-        found for g in optimizer.param_groups for p in g["params"] if (found := replaced_by(p))
-    ]
+    stale = held_replaced(optimizer)
     if stale:
-        raise CheckpointError(
-            f"{caller}: the optimizer holds {len(stale)} parameter(s) that {stale[0][1]} replaced "
-            f"with sharded ones ({listed([name for name, _ in stale])}): it was built before the "
-            "model was sharded, and its steps changed nothing. Build it from model.parameters() "
-            "after parallelize / fully_shard_moe / apply_expert_parallel"
-        )
+        raise CheckpointError(f"{caller}: {built_before_sharding(stale)}")
     if on_meta:
         raise CheckpointError(
             f"{caller}: the optimizer holds {len(on_meta)} meta tensors that are not the model's "

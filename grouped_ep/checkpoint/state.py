@@ -62,6 +62,4 @@ def state_dicts(
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    if not keep_made_state and not osd.get("state"):
-        osd = {**osd, "state": {}}
     return {"model": msd, "optim": osd}
