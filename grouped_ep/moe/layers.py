@@ -262,7 +262,10 @@ class MoE(nn.Module):
 
     @aux_loss_grad_scale.setter
     def aux_loss_grad_scale(self, scale: float) -> None:
-        self._aux_scale.fill_(float(scale))
+        # A new tensor, not `fill_`: a compiled graph that holds the old one for its backward
+        # (torch.compile over a checkpointed block) keeps that forward's value, and in place
+        # it failed the backward's version check (a review).
+        self._aux_scale = torch.tensor(float(scale), dtype=torch.float64)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # `load_state_dict(..., assign=True)` puts the given tensor in place as it is: a bf16
