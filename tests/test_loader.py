@@ -1104,6 +1104,25 @@ def test_key_two_shards_hold_with_different_values_is_refused(tmp_path, listed):
     )
 
 
+def test_copies_in_two_dtypes_are_compared_by_value(tmp_path):
+    """An fp32 copy and a bf16 copy of the same numbers were refused as "different values",
+    their bytes differing; from_pretrained loads the folder to the same weights (a review).
+    Floating copies of two dtypes are compared as numbers now (NaN equal to NaN)."""
+    state = {k: v.bfloat16().float() for k, v in _fused_state().items()}
+    state["m.norm"][1] = float("nan")
+    write_safetensors(tmp_path / "s1.safetensors", state)
+    other = {"m.norm": state["m.norm"].bfloat16(), "x": torch.ones(1)}
+    write_safetensors(tmp_path / "s2.safetensors", other)
+    write_index(tmp_path, {k: "s1.safetensors" for k in state} | {"x": "s2.safetensors"})
+    model = _fused_model()
+    load_sharded(model, tmp_path)
+    got = _state(model)["m.norm"]
+    assert torch.allclose(got, state["m.norm"], rtol=0, atol=0, equal_nan=True)
+    other["m.norm"][0] += 1  # one number differs
+    write_safetensors(tmp_path / "s2.safetensors", other)
+    _expect(r"'m\.norm' is held by two shards with different values", _fused_model(), tmp_path)
+
+
 def test_missing_keys_error_names_the_one_file_a_folder_was_read_from(tmp_path):
     """A stray adapter file beside pickled weights was read as the checkpoint; the error named
     only the folder."""

@@ -9,25 +9,45 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+import torch
+
 from grouped_ep.loading.errors import LoadError
 from grouped_ep.loading.safetensors import Checkpoint, TensorEntry
 
 _CHUNK = 16 << 20
 
 
-def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
-    if (a.dtype, tuple(a.shape), a.nbytes) != (b.dtype, tuple(b.shape), b.nbytes):
-        return False
+def _chunks(a: TensorEntry, b: TensorEntry):
+    """The two copies' bytes, `_CHUNK` of `a` at a time and as many elements of `b`."""
+    ea, eb = a.dtype.itemsize, b.dtype.itemsize
     fa, fb = os.open(a.path, os.O_RDONLY), os.open(b.path, os.O_RDONLY)
     try:
-        for at in range(0, a.nbytes, _CHUNK):
-            n = min(_CHUNK, a.nbytes - at)
-            if os.pread(fa, n, a.start + at) != os.pread(fb, n, b.start + at):
-                return False
-        return True
+        step = max(1, _CHUNK // ea)
+        for at in range(0, a.nbytes // ea, step):
+            n = min(step, a.nbytes // ea - at)
+            yield os.pread(fa, n * ea, a.start + at * ea), os.pread(fb, n * eb, b.start + at * eb)
     finally:
         os.close(fa)
         os.close(fb)
+
+
+def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
+    """Equal bytes; of two floating dtypes, equal numbers (an fp32 copy of bf16 weights is the
+    same checkpoint: `from_pretrained` loads it to the same values). NaN equals NaN."""
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.dtype == b.dtype:
+        return a.nbytes == b.nbytes and all(x == y for x, y in _chunks(a, b))
+    if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+        return False
+    for x, y in _chunks(a, b):
+        tx = torch.frombuffer(bytearray(x), dtype=a.dtype).double()
+        ty = torch.frombuffer(bytearray(y), dtype=b.dtype).double()
+        if not torch.equal(tx.nan_to_num(nan=0.5), ty.nan_to_num(nan=0.5)) or not torch.equal(
+            tx.isnan(), ty.isnan()
+        ):
+            return False
+    return True
 
 
 def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> None:
@@ -36,7 +56,7 @@ def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> None:
         read = ckpt.entries[key]
         for other in ckpt.copies[key]:
             try:
-                same = _same_bytes(read, other)
+                same = _same_values(read, other)
             except OSError as e:
                 raise LoadError(f"{other.path}: cannot be read to compare {key!r} ({e})") from e
             if not same:
