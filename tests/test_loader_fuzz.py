@@ -169,3 +169,14 @@ def test_fuzz_index(tmp_path, weight_map):
             json.dumps({"weight_map": weight_map})
         )
     _check(tmp_path)
+
+
+def test_header_over_the_format_limit_is_refused(tmp_path):
+    """The limit was 100 MiB, over the format's 100,000,000 bytes: a file that safetensors and
+    from_pretrained refuse loaded here (a review). The file is sparse: nothing is read."""
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", 100_000_001))
+        f.truncate(8 + 100_000_001 + 64)
+    with pytest.raises(LoadError, match=r"header length 100000001 exceeds 100000000 bytes"):
+        load_sharded(_model(), path, progress=False)

@@ -24,7 +24,9 @@ from grouped_ep.loading.errors import LoadError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+# The safetensors library's own limit (MAX_HEADER_SIZE, 100,000,000): a longer header loaded
+# here while safetensors and transformers refuse the file (it was 100 MiB; a review).
+MAX_HEADER_BYTES = 100_000_000
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -132,7 +134,10 @@ def read_header(path: str | os.PathLike) -> SafetensorsFile:
                     f"({size} bytes in all; truncated file or not a safetensors file)"
                 )
             if n > MAX_HEADER_BYTES:
-                raise LoadError(f"{path}: header length {n} exceeds {MAX_HEADER_BYTES} bytes")
+                raise LoadError(
+                    f"{path}: header length {n} exceeds {MAX_HEADER_BYTES} bytes, the safetensors "
+                    "format's limit (the safetensors library refuses the file too)"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise LoadError(f"{path}: checkpoint file not found") from None
