@@ -21,6 +21,7 @@ from _quant_ckpt import (
     write_mxfp4,
 )
 from safetensors.torch import load_file, save_file
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import grouped_ep  # noqa: F401  (loads the ops)
@@ -746,6 +747,32 @@ def test_fp8_model_holding_its_own_scales_loads_its_file(tmp_path, config):
     want = FP8Linear(0)
     assert torch.equal(model.weight.view(torch.uint8), want.weight.view(torch.uint8))
     assert torch.equal(model.weight_scale, want.weight_scale)
+
+
+def test_fused_fp8_experts_holding_scales_under_their_own_names_are_not_called_scaleless(
+    tmp_path,
+):
+    """transformers' FP8Experts holds `gate_up_proj` fp8 and `gate_up_proj_scale_inv`; a
+    DeepSeek-V3 checkpoint's per-expert scales cannot fill the fused scales. The error said the
+    model had 'no scale tensor of its own' and asked for a per-expert key (a review); it names
+    the model's scales that no checkpoint key fills, as before that check."""
+    write_fp8(tmp_path, reference=False)
+    model = meta_model("fp8")
+    experts = model.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        codes = getattr(experts, name)
+        fp8 = torch.empty(codes.shape, dtype=torch.float8_e4m3fn, device="meta")
+        setattr(experts, name, nn.Parameter(fp8, requires_grad=False))
+        scales = torch.empty(codes.shape[0], 2, 2, device="meta")
+        experts.register_parameter(f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
+    with pytest.raises(LoadError) as err:
+        load_sharded(model, tmp_path, device="cpu")
+    assert "no scale tensor of its own" not in str(err.value)
+    assert re.search(
+        r"no checkpoint key for 2 tensor\(s\).*experts\.gate_up_proj_scale_inv, "
+        r"model\.layers\.0\.mlp\.experts\.down_proj_scale_inv",
+        str(err.value),
+    ), str(err.value)
 
 
 def test_block_indices_kept_compact_equal_the_arrays():

@@ -118,9 +118,11 @@ def is_quantized(
     e = quant[0].entry
     scales = [k for k in _scale_names(e.key) if k in ckpt]
     if all(p.entry.dtype == target.tensor.dtype for p in quant):
-        if not scales or any(k in model_names for k in scales):
+        own = [n for name in target.names for n in fp8_scale_names(name)]
+        if not scales or any(k in model_names for k in scales + own):
             # plain codes, or a model that holds the codes and their scales itself (an fp8
-            # inference module): a plain copy, config or not
+            # inference module; its scale under its own name, `gate_up_proj_scale_inv`, when it
+            # fuses the checkpoint's experts: a key for it is then looked for like any other's)
             return False
         raise LoadError(
             f"{e.path}: {e.key!r} holds {e.dtype} codes scaled by {scales[0]!r}, and the model's "
