@@ -629,6 +629,12 @@ def test_a_path_starting_with_a_tilde_is_not_found_with_a_hint(tmp_path, monkeyp
     with pytest.raises(ck.CheckpointError, match=r"export_hf: dir '~/out' starts with '~'"):
         ck.export_hf(model, "~/out")
     assert not (tmp_path / "~").exists()
+    # A name that only starts with '~' (no such user: expanduser leaves it), and './~', are
+    # names: save refused them, its advice leading back to the same path (a review).
+    for given, made in (("~nosuchuser_run1", "~nosuchuser_run1"), ("./~", "~")):
+        ck.save(given, model, step=1)
+        assert (tmp_path / made / "step-00000001").is_dir()
+        ck.load(given, model)
 
 
 def test_save_of_an_optimizer_without_state_runs_no_step(tmp_path: Path) -> None:

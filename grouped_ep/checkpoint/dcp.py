@@ -142,11 +142,11 @@ def save(
         with `async_save=True` an `AsyncSave` handle whose `result()` waits and returns it.
     """
     background.wait_pending("save")
-    root = Path(root)
+    given, root = root, Path(root)  # Path drops a leading './': `./~` names a directory '~'
     error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
     try:
         check_types(model, optimizer, extra)
-        refuse_tilde(root, "save: root")
+        refuse_tilde(given, "save: root")
         if step is None and extra is not None and extra.get("step") is not None:
             step = as_step(extra["step"], 'extra["step"]')
         elif step is not None:

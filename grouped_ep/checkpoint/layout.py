@@ -64,10 +64,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def refuse_tilde(path: str | os.PathLike, what: str) -> None:
-    """A path to write into that starts with `~`: not expanded (as by open()), it would make a
-    directory named `~` in the working directory."""
+    """A path to write into that starts with a home reference (`~`, `~/...`, `~user/...`): not
+    expanded (as by open()), it would make a directory named `~` in the working directory. A
+    name that only starts with `~` (`~run1`: no such user) is a name, as is `./~`."""
     text = os.fspath(path)
-    if text.startswith("~"):
+    if text.startswith("~") and os.path.expanduser(text) != text:
         raise CheckpointError(
             f"{what} {text!r} starts with '~', which is not expanded (a directory named '~' "
             f"would be made here): pass os.path.expanduser(...), {os.path.expanduser(text)}"
