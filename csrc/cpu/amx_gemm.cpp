@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -231,8 +232,9 @@ GE_AMX void pack_a(const uint16_t* a, int64_t sam, int64_t sak, int64_t M, int64
   }
 }
 
-struct Scratch {
+struct Scratch final : ScratchSlot {
   ScratchBuf<uint16_t> bpanel, apack, tmp;
+  std::size_t release() override { return bpanel.release() + apack.release() + tmp.release(); }
 };
 
 // C = A @ B for rows [0, M) of A and C; see the top of the file.
@@ -338,8 +340,7 @@ bool swapped_pays(int64_t M, int64_t N, int64_t K, int64_t sak, int64_t sbk, int
   return sak == 1 && sbk == 1 && sbn != 1 && K % 32 == 0 && M < 128 && M * (steps + N) < 2 * N * steps;
 }
 
-// A thread's scratch, at namespace scope so that amx_scratch_release (for cpu_pool_release) can
-// free it.
+// A thread's scratch, listed for cpu_pool_release.
 thread_local Scratch amx_scratch;
 
 // Sizes the scratch and cuts a packed A into blocks of rows whose packed copy stays under
@@ -347,6 +348,7 @@ thread_local Scratch amx_scratch;
 void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b,
              int64_t sbk, int64_t sbn, uint16_t* c, int64_t ldc) {
   Scratch& s = amx_scratch;
+  std::lock_guard<std::mutex> in_use(s.in_use);
   const int64_t steps_pad = ((K + 1) / 2 + kTileSteps - 1) / kTileSteps * kTileSteps, kpad = steps_pad * 2;
   const int64_t pstride = steps_pad * kNR * 2, panels = (N + kNR - 1) / kNR;
   if (swapped_pays(M, N, K, sak, sbk, sbn)) {
@@ -379,15 +381,6 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, in
 #endif
 
 }  // namespace
-
-int64_t amx_scratch_release() {
-#if GE_AMX_BUILD
-  return release_on_every_thread(
-      [] { return amx_scratch.bpanel.release() + amx_scratch.apack.release() + amx_scratch.tmp.release(); });
-#else
-  return 0;
-#endif
-}
 
 bool amx_bf16_ready() {
 #if GE_AMX_BUILD

@@ -12,10 +12,6 @@ namespace grouped_ep {
 // checks the CPU's flags (amx_bf16, avx512_bf16) first.
 bool amx_bf16_ready();
 
-// Frees the kernel's scratch of every thread of ATen's pool; returns the bytes freed. For
-// cpu_pool_release.
-int64_t amx_scratch_release();
-
 // C[M, N] = A[M, K] @ B[K, N] on AMX-BF16, accumulated in fp32 over the whole K and rounded once
 // to bf16 (to nearest even). A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn],
 // C(m, n) = c[m * ldc + n]. Any strides; fastest with sak == 1 and K a multiple of 32. Unlike

@@ -28,6 +28,7 @@
 #include "aligned_buffer.h"
 
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -347,15 +348,21 @@ constexpr int64_t kKSplit = 1536, kKBlock = 1024;
 // this size.
 constexpr int64_t kKeepB = 16 << 20;  // bytes
 
-// Scratch per thread, grown as needed (outside the AVX2 functions, see the top), at namespace
-// scope so that avx2_scratch_release (for cpu_pool_release) can free it: a bf16 weight gradient
-// of K 8192 and N 4096 kept 50 MiB here after cpu_pool_release (a review, 2026-11-26).
-thread_local ScratchBuf<float> bpack, apack, csum;
+// Scratch per thread, grown as needed (outside the AVX2 functions, see the top), listed for
+// cpu_pool_release: a bf16 weight gradient of K 8192 and N 4096 kept 50 MiB here after
+// cpu_pool_release (a review, 2026-11-26).
+struct Avx2Scratch final : ScratchSlot {
+  ScratchBuf<float> bpack, apack, csum;
+  std::size_t release() override { return bpack.release() + apack.release() + csum.release(); }
+};
+thread_local Avx2Scratch scratch;
 
 template <Kind k>
 void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t sak, const Elem<k>* b,
          int64_t sbk, int64_t sbn, Elem<k>* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0 || K <= 0) return;
+  std::lock_guard<std::mutex> in_use(scratch.in_use);
+  ScratchBuf<float>&bpack = scratch.bpack, &apack = scratch.apack, &csum = scratch.csum;
   const int64_t blocks = K > kKSplit ? (K + kKBlock - 1) / kKBlock : 1;
   const int64_t kc = (K + blocks - 1) / blocks;
   const int64_t panels = (N + kNR - 1) / kNR;
@@ -392,14 +399,6 @@ void run(int64_t, int64_t, int64_t, const Elem<k>*, int64_t, int64_t, const Elem
 }  // namespace
 
 bool avx2_gemm_compiled() { return GE_AVX2_BUILD; }
-
-int64_t avx2_scratch_release() {
-#if GE_AVX2_BUILD
-  return release_on_every_thread([] { return bpack.release() + apack.release() + csum.release(); });
-#else
-  return 0;
-#endif
-}
 
 void f32_avx2_gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, int64_t sak, const float* b,
                    int64_t sbk, int64_t sbn, float* c, int64_t ldc, const Prefetch* next) {

@@ -15,10 +15,6 @@ namespace grouped_ep {
 // and F16C, which the caller checks.
 bool avx2_gemm_compiled();
 
-// Frees the kernel's scratch of every thread of ATen's pool; returns the bytes freed. For
-// cpu_pool_release.
-int64_t avx2_scratch_release();
-
 // C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 over the whole K; bf16 and fp16 operands are
 // widened exactly as they are read and the sum is rounded once, to nearest even.
 // A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn], C(m, n) = c[m * ldc + n]. Any

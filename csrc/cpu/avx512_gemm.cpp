@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -258,11 +259,12 @@ constexpr int64_t kPackCap = 8 << 20;  // bytes
 // leaves every tile of up to 2048 rows (the bench's) as it was.
 constexpr int64_t kKCache = 2048;
 
-// A thread's scratch per type, at namespace scope so that avx512_scratch_release (for
-// cpu_pool_release) can free it.
+// A thread's scratch per type (at most about 8 MB for fp32; for bf16 it grows with K), listed
+// for cpu_pool_release.
 template <typename T>
-struct Scratch {
+struct Scratch final : ScratchSlot {
   ScratchBuf<T> bpanel, apack;
+  std::size_t release() override { return bpanel.release() + apack.release(); }
 };
 thread_local Scratch<uint16_t> scratch_bf16;
 thread_local Scratch<float> scratch_f32;
@@ -271,10 +273,12 @@ template <typename T>
 void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk,
          int64_t sbn, T* c, int64_t ldc, const Prefetch* next) {
   if (M <= 0 || N <= 0) return;
-  auto& [bpanel, apack] = []() -> Scratch<T>& {
+  Scratch<T>& scratch = []() -> Scratch<T>& {
     if constexpr (std::is_same<T, float>::value) return scratch_f32;
     else return scratch_bf16;
   }();
+  std::lock_guard<std::mutex> in_use(scratch.in_use);
+  ScratchBuf<T>&bpanel = scratch.bpanel, &apack = scratch.apack;
   constexpr int64_t per = kPer<T>;
   const int64_t kc = per == 1 && K > kKCache ? kKCache : K;  // K values per block
   const int64_t lanes = (kc + per - 1) / per * kNR * per;  // one panel
@@ -298,16 +302,6 @@ void run(int64_t M, int64_t N, int64_t K, const T* a, int64_t sam, int64_t sak, 
 
 bool avx512_gemm_compiled() { return GE_AVX512_BUILD; }
 
-int64_t avx512_scratch_release() {
-#if GE_AVX512_BUILD
-  return release_on_every_thread([] {
-    return scratch_f32.bpanel.release() + scratch_f32.apack.release() + scratch_bf16.bpanel.release() +
-           scratch_bf16.apack.release();
-  });
-#else
-  return 0;
-#endif
-}
 
 void bf16_avx512_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t sam,
                       int64_t sak, const c10::BFloat16* b, int64_t sbk, int64_t sbn, c10::BFloat16* c,

@@ -14,10 +14,6 @@ namespace grouped_ep {
 // instructions (avx512_bf16, or avx512f for fp32), which the caller checks.
 bool avx512_gemm_compiled();
 
-// Frees the kernels' packed scratch of every thread of ATen's pool (kept per thread, at most about
-// 8 MB for fp32; for bf16 it grows with K); returns the bytes freed. For cpu_pool_release.
-int64_t avx512_scratch_release();
-
 // C[M, N] = A[M, K] @ B[K, N], accumulated in fp32 over the whole K (bf16: rounded once, to
 // nearest even). A(m, k) = a[m * sam + k * sak], B(k, n) = b[k * sbk + n * sbn],
 // C(m, n) = c[m * ldc + n]. Any strides; fastest with sak == 1. `next` (optional): memory to

@@ -24,10 +24,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "amx_gemm.h"
-#include "avx2_gemm.h"
-#include "avx512_gemm.h"
-
+#include "aligned_buffer.h"
 
 namespace grouped_ep {
 namespace {
@@ -176,11 +173,10 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 namespace {
 // torch.ops.grouped_ep.cpu_pool_release(): the held blocks unmapped now, their bytes returned
 // (evaluation or export after CPU training need not keep up to the cap resident). The own AVX-512,
-// AVX2 and AMX kernels' per-thread scratch is freed too (not counted in the bytes returned).
+// AVX2 and AMX kernels' scratch of every thread is freed too, but for a call in progress (not
+// counted in the bytes returned).
 int64_t cpu_pool_release() {
-  avx512_scratch_release();
-  avx2_scratch_release();
-  amx_scratch_release();
+  release_every_scratch();
   return static_cast<int64_t>(Pool::get().release());
 }
 }  // namespace
