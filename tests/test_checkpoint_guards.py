@@ -629,6 +629,8 @@ def test_a_path_starting_with_a_tilde_is_not_found_with_a_hint(tmp_path, monkeyp
     with pytest.raises(ck.CheckpointError, match=r"export_hf: dir '~/out' starts with '~'"):
         ck.export_hf(model, "~/out")
     assert not (tmp_path / "~").exists()
+    with pytest.raises(ck.CheckpointError, match=r"a directory named '~root' would be made"):
+        ck.save("~root/new", model, step=1)  # it named '~' (a review)
     # A name that only starts with '~' (no such user: expanduser leaves it), and './~', are
     # names: save refused them, its advice leading back to the same path (a review).
     for given, made in (("~nosuchuser_run1", "~nosuchuser_run1"), ("./~", "~")):

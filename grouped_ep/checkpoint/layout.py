@@ -70,8 +70,9 @@ def refuse_tilde(path: str | os.PathLike, what: str) -> None:
     text = os.fspath(path)
     if text.startswith("~") and os.path.expanduser(text) != text:
         raise CheckpointError(
-            f"{what} {text!r} starts with '~', which is not expanded (a directory named '~' "
-            f"would be made here): pass os.path.expanduser(...), {os.path.expanduser(text)}"
+            f"{what} {text!r} starts with '~', which is not expanded (a directory named "
+            f"{text.split(os.sep)[0]!r} would be made here): pass os.path.expanduser(...), "
+            f"{os.path.expanduser(text)}"
         )
 
 
