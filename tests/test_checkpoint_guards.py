@@ -666,3 +666,26 @@ def test_save_of_an_optimizer_without_state_runs_no_step(tmp_path: Path) -> None
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert steps == [] and not opt.state
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_another_optimizer_class_is_named_as_the_misfit(tmp_path: Path) -> None:
+    """An AdamW checkpoint loaded with SGD(momentum) said the checkpoint 'does not fit the
+    model', one momentum_buffer line per parameter, and nothing of why (a review)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    ck.save(tmp_path, model, opt, step=1)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"the optimizer does not: the checkpoint's optimizer kept exp_avg, exp_avg_sq, "
+        r"step, this one keeps momentum_buffer",
+    ):
+        ck.load(tmp_path, fresh, sgd)
+    ck.load(tmp_path, fresh)  # the weights alone, as the message says
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    # Two optimizers (Muon's 2-D weights beside AdamW's experts): one root each
+    with pytest.raises(ck.CheckpointError, match=r"one optimizer per checkpoint.*root of its own"):
+        ck.save(tmp_path, model, [opt, sgd], step=2)

@@ -59,15 +59,16 @@ def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool) -> Any:
             raise CheckpointError(problem)
     try:
         # The checkpoint is trusted as much as DCP's own pickled .metadata is.
-        return torch.load(path, weights_only=False, map_location=_this_ranks_device)
+        return torch.load(path, weights_only=False, map_location=_this_ranks_device())
     except Exception as e:
         raise CheckpointError(f"cannot read {path} ({type(e).__name__}: {e})") from e
 
 
-def _this_ranks_device(storage, location: str):
+def _this_ranks_device() -> dict[str, str]:
     """torch.load's map_location for `extra`: a tensor the saving rank had on a GPU comes back on
     this rank's current GPU (CPU where there is none), whatever GPU index it was saved from (a
-    rank 7 save read on a 4-GPU node); CPU tensors stay on CPU."""
-    if not location.startswith("cuda"):
-        return storage
-    return storage.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else storage
+    rank 7 save read on a 4-GPU node); CPU tensors stay on CPU. A mapping, not a function: torch
+    refuses a function for a DTensor's storage, and a step whose `extra` held one could not be
+    loaded at all (save refuses them now; a review)."""
+    here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return {f"cuda:{i}": here for i in range(1024)} | {"cuda": here}

@@ -157,7 +157,25 @@ def check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
             )
     if problems:
         shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
-        raise CheckpointError(f"checkpoint {info.path} does not fit the model:\n  {shown}")
+        raise CheckpointError(
+            f"checkpoint {info.path} does not fit the model:\n  {shown}{_optimizer_kind(problems, saved)}"
+        )
+
+
+def _optimizer_kind(problems: list[str], saved: dict) -> str:
+    """When only optimizer state is missing: the state kinds each optimizer keeps (an AdamW
+    checkpoint loaded with SGD named momentum_buffer for every parameter and no reason)."""
+    tail = ": not in the checkpoint"
+    if not all(p.startswith("optim.state.") and p.endswith(tail) for p in problems):
+        return ""
+    want = sorted({p[: -len(tail)].rsplit(".", 1)[-1] for p in problems})
+    have = sorted({k.rsplit(".", 1)[-1] for k in saved if k.startswith("optim.state.")})
+    return (
+        f"\nThe model fits; the optimizer does not: the checkpoint's optimizer kept "
+        f"{', '.join(have) or 'no state'}, this one keeps {', '.join(want)} (another optimizer "
+        "class, or other settings). Build it as the run that saved did, or load without the "
+        "optimizer (optimizer=None: the weights alone) and build a new one"
+    )
 
 
 def refuse_unexpected(

@@ -20,10 +20,41 @@ def check_types(model: object, optimizer: object, extra: object, caller: str = "
         raise CheckpointError(
             f"{caller}: optimizer must be a torch.optim.Optimizer or None, got "
             f"{type(optimizer).__name__}"
-            + (" (user state goes in extra=)" if caller == "save" else "")
+            + (
+                (
+                    ": one optimizer per checkpoint; save a second one (Muon's 2-D weights "
+                    "beside AdamW's experts) to a root of its own, save(root2, model, opt2)"
+                    if isinstance(optimizer, (list, tuple, dict))
+                    else " (user state goes in extra=)"
+                )
+                if caller == "save"
+                else ""
+            )
         )
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"{caller}: extra must be a dict or None, got {type(extra).__name__}")
+    if extra is not None:
+        _refuse_dtensors(extra, "extra")
+
+
+def _refuse_dtensors(obj: object, where: str) -> None:
+    """A DTensor in `extra` (an EMA of a sharded model's parameters, another optimizer's state
+    dict) is pickled per rank, bound to the saving run's mesh: no run of another layout could
+    read it, and torch.load refused it outright (the whole step could not be loaded; a review)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        raise CheckpointError(
+            f"save: {where} is a DTensor, which extra cannot hold (pickled per rank, it is bound "
+            "to this run's mesh): save its .full_tensor() (the whole value, on every rank) or "
+            ".to_local(), or keep the state in the model (a buffer) or the optimizer"
+        )
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _refuse_dtensors(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _refuse_dtensors(v, f"{where}[{i}]")
 
 
 def as_step(value: object, name: str) -> int:
