@@ -685,6 +685,42 @@ with ThreadPoolExecutor(4) as pool:
 """
 
 
+_EXIT_BESIDE_RELEASE = """
+import sys, threading, time, torch, grouped_ep
+torch.set_num_threads(1)
+x = torch.randn(64, 2048, dtype=torch.bfloat16)
+w = torch.randn(1, 2048, 2048, dtype=torch.bfloat16)
+offs = torch.tensor([64], dtype=torch.int32)
+stop = False
+def releaser():
+    while not stop:
+        torch.ops.grouped_ep.cpu_pool_release()
+r = threading.Thread(target=releaser); r.start()
+end, n = time.time() + float(sys.argv[1]), 0
+while time.time() < end:
+    ts = [threading.Thread(target=grouped_ep.gemm, args=(x, w, offs)) for _ in range(2)]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    n += 2
+stop = True; r.join()
+print("threads", n)
+"""
+
+
+def test_threads_exiting_while_cpu_pool_release_runs():
+    """A thread that ran the op exiting while cpu_pool_release ran aborted the process ("pure
+    virtual method called": the release called a scratch whose buffers were being freed; a
+    review, 4 of 4 runs within 20 s). A thread's scratch leaves the list before it is freed."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_BESIDE_RELEASE, "10"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0 and "threads" in done.stdout, done.stderr[-3000:]
+
+
 def test_cpu_pool_release_frees_the_avx2_kernels_scratch():
     """The AVX2 kernel's per-thread scratch (the only own kernel of an AMD CPU without AVX-512)
     was left allocated by cpu_pool_release: a bf16 weight gradient of 4096 rows, K = N = 2048,

@@ -1118,6 +1118,12 @@ def test_copies_in_two_dtypes_are_compared_by_value(tmp_path):
     load_sharded(model, tmp_path)
     got = _state(model)["m.norm"]
     assert torch.allclose(got, state["m.norm"], rtol=0, atol=0, equal_nan=True)
+    # fp32 copies that differ only in the sign of a zero are the same numbers too
+    state["m.norm"][0], other = 0.0, {"m.norm": state["m.norm"].clone(), "x": torch.ones(1)}
+    other["m.norm"][0] = -0.0
+    write_safetensors(tmp_path / "s1.safetensors", state)
+    write_safetensors(tmp_path / "s2.safetensors", other)
+    load_sharded(_fused_model(), tmp_path)
     other["m.norm"][0] += 1  # one number differs
     write_safetensors(tmp_path / "s2.safetensors", other)
     _expect(r"'m\.norm' is held by two shards with different values", _fused_model(), tmp_path)

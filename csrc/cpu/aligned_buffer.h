@@ -51,15 +51,30 @@ struct ScratchBuf {
 // thread's team (a review: 82 MiB kept after cpu_pool_release, the op run on 4 executor
 // threads). A kernel holds `in_use` while it computes; release_every_scratch skips a scratch in
 // use (try_lock: a mutex that a thread the child of a fork does not have held stays held there).
+// Each kernel's scratch is a `Listed<Buffers>`, listed once it is whole and off the list before
+// its buffers are freed: a release running while a thread exited called a half-destroyed scratch
+// ("pure virtual method called", a review).
 class ScratchSlot {
  public:
-  ScratchSlot();
+  ScratchSlot() = default;
   virtual ~ScratchSlot();
   ScratchSlot(const ScratchSlot&) = delete;
   ScratchSlot& operator=(const ScratchSlot&) = delete;
   // Frees the storage; returns its bytes.
   virtual std::size_t release() = 0;
   std::mutex in_use;
+
+ protected:
+  void list();
+  void unlist();  // off the list; again is a no-op
+};
+
+// `Buffers` (ScratchBufs and a release() freeing them) as a listed scratch.
+template <typename Buffers>
+struct Listed final : ScratchSlot, Buffers {
+  Listed() { list(); }
+  ~Listed() override { unlist(); }
+  std::size_t release() override { return Buffers::release(); }
 };
 
 // Frees every thread's scratch not in use; returns the bytes freed. For cpu_pool_release.

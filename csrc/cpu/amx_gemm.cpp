@@ -232,10 +232,11 @@ GE_AMX void pack_a(const uint16_t* a, int64_t sam, int64_t sak, int64_t M, int64
   }
 }
 
-struct Scratch final : ScratchSlot {
+struct Buffers {
   ScratchBuf<uint16_t> bpanel, apack, tmp;
-  std::size_t release() override { return bpanel.release() + apack.release() + tmp.release(); }
+  std::size_t release() { return bpanel.release() + apack.release() + tmp.release(); }
 };
+using Scratch = Listed<Buffers>;
 
 // C = A @ B for rows [0, M) of A and C; see the top of the file.
 GE_AMX void amx_impl(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b,

@@ -351,11 +351,11 @@ constexpr int64_t kKeepB = 16 << 20;  // bytes
 // Scratch per thread, grown as needed (outside the AVX2 functions, see the top), listed for
 // cpu_pool_release: a bf16 weight gradient of K 8192 and N 4096 kept 50 MiB here after
 // cpu_pool_release (a review, 2026-11-26).
-struct Avx2Scratch final : ScratchSlot {
+struct Avx2Buffers {
   ScratchBuf<float> bpack, apack, csum;
-  std::size_t release() override { return bpack.release() + apack.release() + csum.release(); }
+  std::size_t release() { return bpack.release() + apack.release() + csum.release(); }
 };
-thread_local Avx2Scratch scratch;
+thread_local Listed<Avx2Buffers> scratch;
 
 template <Kind k>
 void run(int64_t M, int64_t N, int64_t K, const Elem<k>* a, int64_t sam, int64_t sak, const Elem<k>* b,

@@ -262,10 +262,12 @@ constexpr int64_t kKCache = 2048;
 // A thread's scratch per type (at most about 8 MB for fp32; for bf16 it grows with K), listed
 // for cpu_pool_release.
 template <typename T>
-struct Scratch final : ScratchSlot {
+struct Buffers {
   ScratchBuf<T> bpanel, apack;
-  std::size_t release() override { return bpanel.release() + apack.release(); }
+  std::size_t release() { return bpanel.release() + apack.release(); }
 };
+template <typename T>
+using Scratch = Listed<Buffers<T>>;
 thread_local Scratch<uint16_t> scratch_bf16;
 thread_local Scratch<float> scratch_f32;
 

@@ -28,13 +28,15 @@ Registry& registry() {
 
 }  // namespace
 
-ScratchSlot::ScratchSlot() {
+void ScratchSlot::list() {
   Registry& r = registry();
   std::lock_guard<std::mutex> hold(r.m);
   r.slots.push_back(this);
 }
 
-ScratchSlot::~ScratchSlot() {
+ScratchSlot::~ScratchSlot() { unlist(); }
+
+void ScratchSlot::unlist() {
   Registry& r = registry();
   std::lock_guard<std::mutex> hold(r.m);
   r.slots.erase(std::remove(r.slots.begin(), r.slots.end(), this), r.slots.end());

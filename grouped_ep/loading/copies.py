@@ -32,19 +32,23 @@ def _chunks(a: TensorEntry, b: TensorEntry):
 
 
 def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
-    """Equal bytes; of two floating dtypes, equal numbers (an fp32 copy of bf16 weights is the
-    same checkpoint: `from_pretrained` loads it to the same values). NaN equals NaN."""
+    """Equal bytes, or, of floating dtypes, equal numbers: an fp32 copy of bf16 weights is the
+    same checkpoint (`from_pretrained` loads it to the same values), and so are copies that
+    differ only in -0.0 / 0.0 or a NaN's payload (NaN equals NaN)."""
     if tuple(a.shape) != tuple(b.shape):
         return False
-    if a.dtype == b.dtype:
-        return a.nbytes == b.nbytes and all(x == y for x, y in _chunks(a, b))
-    if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+    floating = a.dtype.is_floating_point and b.dtype.is_floating_point
+    if a.dtype != b.dtype and not floating:
         return False
     for x, y in _chunks(a, b):
+        if a.dtype == b.dtype and x == y:
+            continue
+        if not floating:
+            return False
         tx = torch.frombuffer(bytearray(x), dtype=a.dtype).double()
         ty = torch.frombuffer(bytearray(y), dtype=b.dtype).double()
-        if not torch.equal(tx.nan_to_num(nan=0.5), ty.nan_to_num(nan=0.5)) or not torch.equal(
-            tx.isnan(), ty.isnan()
+        if not torch.equal(tx.isnan(), ty.isnan()) or not torch.equal(
+            tx.nan_to_num(nan=0.0), ty.nan_to_num(nan=0.0)
         ):
             return False
     return True
