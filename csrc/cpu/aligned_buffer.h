@@ -57,7 +57,7 @@ struct ScratchBuf {
 class ScratchSlot {
  public:
   ScratchSlot() = default;
-  virtual ~ScratchSlot();
+  virtual ~ScratchSlot() = default;
   ScratchSlot(const ScratchSlot&) = delete;
   ScratchSlot& operator=(const ScratchSlot&) = delete;
   // Frees the storage; returns its bytes.
@@ -66,7 +66,7 @@ class ScratchSlot {
 
  protected:
   void list();
-  void unlist();  // off the list; again is a no-op
+  void unlist();
 };
 
 // `Buffers` (ScratchBufs and a release() freeing them) as a listed scratch.

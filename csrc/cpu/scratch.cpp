@@ -34,8 +34,6 @@ void ScratchSlot::list() {
   r.slots.push_back(this);
 }
 
-ScratchSlot::~ScratchSlot() { unlist(); }
-
 void ScratchSlot::unlist() {
   Registry& r = registry();
   std::lock_guard<std::mutex> hold(r.m);

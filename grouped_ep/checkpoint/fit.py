@@ -144,10 +144,11 @@ def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
 def check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
     """Raise CheckpointError naming every key that is missing or has another shape."""
     saved = info.metadata.state_dict_metadata
-    problems = []
+    problems, missing = [], []
     for key, shape in _flat_tensor_shapes(state, "").items():
         meta = saved.get(key)
         if meta is None:
+            missing.append(key)
             problems.append(f"{key}: not in the checkpoint")
         elif not isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key}: saved as a non-tensor object")
@@ -158,17 +159,17 @@ def check_fits(info: CheckpointInfo, state: dict[str, Any]) -> None:
     if problems:
         shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
         raise CheckpointError(
-            f"checkpoint {info.path} does not fit the model:\n  {shown}{_optimizer_kind(problems, saved)}"
+            f"checkpoint {info.path} does not fit the model:\n  {shown}"
+            + (_optimizer_kind(missing, saved) if len(missing) == len(problems) else "")
         )
 
 
-def _optimizer_kind(problems: list[str], saved: dict) -> str:
+def _optimizer_kind(missing: list[str], saved: dict) -> str:
     """When only optimizer state is missing: the state kinds each optimizer keeps (an AdamW
     checkpoint loaded with SGD named momentum_buffer for every parameter and no reason)."""
-    tail = ": not in the checkpoint"
-    if not all(p.startswith("optim.state.") and p.endswith(tail) for p in problems):
+    if not all(k.startswith("optim.state.") for k in missing):
         return ""
-    want = sorted({p[: -len(tail)].rsplit(".", 1)[-1] for p in problems})
+    want = sorted({k.rsplit(".", 1)[-1] for k in missing})
     have = sorted({k.rsplit(".", 1)[-1] for k in saved if k.startswith("optim.state.")})
     return (
         f"\nThe model fits; the optimizer does not: the checkpoint's optimizer kept "

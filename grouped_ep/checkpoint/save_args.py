@@ -17,19 +17,17 @@ def check_types(model: object, optimizer: object, extra: object, caller: str = "
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        hint = ""
+        if caller == "save" and isinstance(optimizer, (list, tuple, dict)):
+            hint = (
+                ": one optimizer per checkpoint; save a second one (Muon's 2-D weights beside "
+                "AdamW's experts) to a root of its own, save(root2, model, opt2)"
+            )
+        elif caller == "save":
+            hint = " (user state goes in extra=)"
         raise CheckpointError(
             f"{caller}: optimizer must be a torch.optim.Optimizer or None, got "
-            f"{type(optimizer).__name__}"
-            + (
-                (
-                    ": one optimizer per checkpoint; save a second one (Muon's 2-D weights "
-                    "beside AdamW's experts) to a root of its own, save(root2, model, opt2)"
-                    if isinstance(optimizer, (list, tuple, dict))
-                    else " (user state goes in extra=)"
-                )
-                if caller == "save"
-                else ""
-            )
+            f"{type(optimizer).__name__}{hint}"
         )
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"{caller}: extra must be a dict or None, got {type(extra).__name__}")
