@@ -1080,6 +1080,11 @@ def test_key_a_listed_shard_holds_but_the_index_omits_is_read(tmp_path):
     write_index(tmp_path, listed | {"a": "s0.safetensors", "b": "s3.safetensors"})
     report = load_sharded(model, tmp_path)
     assert report.unused_keys == ["a", "b"]
+    # The copies were read whole to compare them: counted, not hidden (they were not counted).
+    nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    compared = 2 * (nbytes["m.experts.down_proj"] + 2 * nbytes["m.experts.gate_up_proj"])
+    assert report.copy_bytes_compared == compared
+    assert report.bytes_read == report.bytes_owned + compared
     assert torch.equal(_state(model)["m.experts.gate_up_proj"], last["m.experts.gate_up_proj"])
 
 

@@ -54,8 +54,11 @@ def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
     return True
 
 
-def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> None:
-    """LoadError for the first of `keys` (ones the model reads) whose copies differ."""
+def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> int:
+    """LoadError for the first of `keys` (ones the model reads) whose copies differ; else the
+    bytes read to compare them (each copy whole, on every rank: a rank that compared only its
+    own slice would load while another rank refuses)."""
+    compared = 0
     for key in sorted(set(keys) & ckpt.copies.keys()):
         read = ckpt.entries[key]
         for other in ckpt.copies[key]:
@@ -63,6 +66,7 @@ def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> None:
                 same = _same_values(read, other)
             except OSError as e:
                 raise LoadError(f"{other.path}: cannot be read to compare {key!r} ({e})") from e
+            compared += read.nbytes + other.nbytes
             if not same:
                 last = max([read, *ckpt.copies[key]], key=lambda e: os.path.basename(e.path))
                 raise LoadError(
@@ -72,3 +76,4 @@ def refuse_differing_copies(ckpt: Checkpoint, keys: Iterable[str]) -> None:
                     "checkpoint's cannot be known (transformers' from_pretrained reads "
                     f"{os.path.basename(last.path)}, the last by name): remove the stale copy"
                 )
+    return compared

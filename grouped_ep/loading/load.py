@@ -66,10 +66,12 @@ class LoadReport:
 
     bytes_read: bytes this rank read from checkpoint files (data only, headers excluded).
     bytes_owned: bytes of this rank's local shards, in the checkpoint's dtypes (quantized
-        tensors: their quantized bytes). bytes_read = bytes_owned + scale_bytes_read when
-        nothing is read twice or read for another rank.
+        tensors: their quantized bytes). bytes_read = bytes_owned + scale_bytes_read +
+        copy_bytes_compared when nothing is read twice or read for another rank.
     quantized_bytes_read: of bytes_read, the quantized values (fp8 bytes, packed FP4 pairs).
     scale_bytes_read: of bytes_read, the scale blocks covering them (each block read once).
+    copy_bytes_compared: of bytes_read, the bytes read to compare copies of one key held by
+        two shards (both copies whole, on every rank); 0 when no key the model reads has one.
     files_opened: files this rank read data from (every header is parsed: `headers_parsed`).
     unused_keys: checkpoint keys no model tensor maps to. Keys of experts or rows owned by
         other ranks are used, just not read here.
@@ -88,6 +90,7 @@ class LoadReport:
     headers_parsed: int = 0
     quantized_bytes_read: int = 0
     scale_bytes_read: int = 0
+    copy_bytes_compared: int = 0
 
 
 def _name_tensor(message: str, ckpt) -> str:
@@ -364,7 +367,7 @@ def load_sharded(
                 key_names,
             )
         )
-    refuse_differing_copies(files_ckpt, {key_names.get(k, k) for k in used})
+    compared = refuse_differing_copies(files_ckpt, {key_names.get(k, k) for k in used})
     _check_writable([t for t in todo + quantized if not t.tensor.is_meta])
     try:
         buffers = fresh_buffers(model, device)  # before any read: a failure changes nothing
@@ -404,6 +407,7 @@ def load_sharded(
         if isinstance(module, MoE):  # no step of the loaded run
             module.take_load_counts()
     files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
+    nread += compared
     seconds = time.perf_counter() - t0
     return LoadReport(
         bytes_read=nread,
@@ -419,4 +423,5 @@ def load_sharded(
         headers_parsed=len(paths),
         quantized_bytes_read=qbytes,
         scale_bytes_read=sbytes,
+        copy_bytes_compared=compared,
     )
