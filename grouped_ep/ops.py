@@ -224,7 +224,9 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, trans_w: bool = False) -> Tensor:
             used without a copy). A plain tensor, or a DTensor whose placements are `Shard(0)`
             (experts split across ranks) or `Replicate()` on every mesh dim: then E is the local
             expert count, the op runs on the local shard, and the weight gradient is a DTensor
-            on w's mesh (`Shard(0)` kept, `Replicate()` turned into `Partial()`).
+            on w's mesh: `Shard(0)` kept; `Replicate()` turned into `Partial()` (each rank
+            summed only its own rows), except where x is a `Replicate()` DTensor on w's mesh
+            too: every rank then summed the same rows, and the gradient stays `Replicate()`.
         offs: `[E]` int32 (int64 accepted), cumulative end offsets on x's device: group g is
             rows `offs[g-1]:offs[g]`. Empty groups are allowed; rows past `offs[-1]` give zeros.
             On CPU, decreasing offsets or `offs[-1] > T` raise. On CUDA the host never reads
@@ -234,6 +236,13 @@ def gemm(x: Tensor, w: Tensor, offs: Tensor, trans_w: bool = False) -> Tensor:
 
     Returns:
         `[T, N]` in x's dtype, accumulated in fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        RuntimeError: bad shapes, dtypes, devices or offsets, naming the argument.
+        ValueError: DTensor arguments it cannot compute on the local shard: a placement other
+            than `Shard(0)` / `Replicate()`, x on another mesh than w, a `Replicate()` x where
+            w is `Shard(0)` (each rank's experts would multiply the same rows), a DTensor `offs`
+            sharded, or offs' length not w's local expert count; each message says what to pass.
     """
     return _ops.gemm(x, w, offs, trans_w)
 
@@ -257,10 +266,23 @@ def _check_offs_meta(op: str, offs: Tensor, groups: int | None, x: Tensor) -> No
     )
 
 
+def _check_dtype_meta(op: str, name: str, t: Tensor) -> None:
+    """The kernels' dtypes (csrc/checks.h), refused while tracing too, not first at run time."""
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    torch._check(
+        t.dtype in floats or (t.dtype == torch.float64 and t.device.type != "cuda"),
+        lambda: (
+            f"grouped_ep.{op}: {name} must be bfloat16, float16 or float32 (float64 on "
+            f"CPU), got {t.dtype} on {t.device}"
+        ),
+    )
+
+
 @torch.library.register_fake("grouped_ep::gemm")
 def _gemm_fake(x: Tensor, w: Tensor, offs: Tensor, trans_w: bool = False) -> Tensor:
     torch._check(x.dim() == 2, lambda: f"grouped_ep.gemm: x must be 2-D [T, K], got {x.dim()}-D")
     torch._check(w.dim() == 3, lambda: f"grouped_ep.gemm: w must be 3-D, got {w.dim()}-D")
+    _check_dtype_meta("gemm", "x", x)
     torch._check(
         w.dtype == x.dtype, lambda: f"grouped_ep.gemm: w has dtype {w.dtype} but x has {x.dtype}"
     )
@@ -330,6 +352,11 @@ def _gemm_wgrad_fake(x: Tensor, dy: Tensor, offs: Tensor, trans_w: bool = False)
         dy.device == x.device,
         lambda: f"grouped_ep.gemm_wgrad: dy is on {dy.device} but x is on {x.device}",
     )
+    _check_dtype_meta("gemm_wgrad", "x", x)
+    torch._check(
+        dy.dtype == x.dtype,
+        lambda: f"grouped_ep.gemm_wgrad: dy has dtype {dy.dtype} but x has {x.dtype}",
+    )
     _check_offs_meta("gemm_wgrad", offs, None, x)
     e, k, n = offs.shape[0], x.shape[1], dy.shape[1]
     return x.new_empty((e, n, k) if trans_w else (e, k, n))
@@ -358,3 +385,28 @@ def _wgrad_backward(ctx, grad: Tensor):
 torch.library.register_autograd(
     "grouped_ep::gemm_wgrad", _wgrad_backward, setup_context=_wgrad_setup_context
 )
+
+
+# ---- native I/O ops ---------------------------------------------------------------------------
+# `read_ranges` and `crc32c` (csrc/io) read files; the package calls them eagerly, from
+# `load_sharded` and the checkpoint checks. `crc32c`'s fake kernel gives its output's shape, so
+# code calling it traces; `read_ranges` returns the bytes it read, known only once read (its
+# schema's `int` cannot be left unknown), so tracing it is refused by name. `dequantize`
+# returns nothing: torch derives its fake kernel.
+
+
+@torch.library.register_fake("grouped_ep::read_ranges")
+def _read_ranges_fake(paths, outs, plan: Tensor, threads: int = 8, expect=None):
+    raise RuntimeError(
+        "grouped_ep.read_ranges reads files: call it eagerly, not under torch.compile, "
+        "torch.export or FakeTensorMode"
+    )
+
+
+@torch.library.register_fake("grouped_ep::crc32c")
+def _crc32c_fake(path: str, offsets: Tensor, lengths: Tensor, threads: int = 4) -> Tensor:
+    torch._check(
+        offsets.dim() == 1 and lengths.shape == offsets.shape,
+        lambda: "grouped_ep.crc32c: offsets and lengths must be 1-D tensors of one length",
+    )
+    return offsets.new_empty(offsets.shape, dtype=torch.int64)

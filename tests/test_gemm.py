@@ -293,6 +293,26 @@ def test_bad_input_wgrad(args, message):
         grouped_ep.gemm_wgrad(*args)
 
 
+VALUE_CASES = ("offs_decreasing", "offs_negative", "offs_past_T")  # need offs' values
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_GEMM if c not in VALUE_CASES])
+def test_bad_input_gemm_on_meta(case):
+    """The fake kernels refuse what the CPU kernel refuses: on meta (a model built there),
+    under FakeTensorMode and torch.export, int or complex inputs and a dy of another dtype than
+    x's were accepted, and failed only once real tensors ran (a review)."""
+    args, message = BAD_GEMM[case]
+    with pytest.raises(RuntimeError, match=message):
+        grouped_ep.gemm(*(a.to("meta") for a in args))
+
+
+def test_bad_input_wgrad_on_meta():
+    with pytest.raises(RuntimeError, match="x must be bfloat16, float16 or float32"):
+        grouped_ep.gemm_wgrad(X.long().to("meta"), X.long().to("meta"), OFFS.to("meta"))
+    with pytest.raises(RuntimeError, match="dy has dtype torch.float64 but x has torch.float32"):
+        grouped_ep.gemm_wgrad(X.to("meta"), X.double().to("meta"), OFFS.to("meta"))
+
+
 def test_bad_input_device_mismatch_named():
     with pytest.raises(RuntimeError, match="w is on meta but x is on cpu|device"):
         torch.ops.grouped_ep.gemm(X, W.to("meta"), OFFS, False)
