@@ -4,11 +4,12 @@ Re-exported by `grouped_ep.parallel`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
 def clip_grad_norm_(
@@ -52,7 +53,9 @@ def clip_grad_norm_(
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if isinstance(norm, DTensor):
+            norm = _full_norm(norm, norm_type)
+        norms.append(norm)
     device = norms[0].device
     norms = [n.to(device) for n in norms]
     # Each mesh's p-norm combines as a p-norm, but the "0-norm" (how many gradients are not all
@@ -74,3 +77,18 @@ def clip_grad_norm_(
         for device, group in by_device.items():
             torch._foreach_mul_(group, coef.to(device))
     return total
+
+
+def _full_norm(norm: DTensor, norm_type: float) -> torch.Tensor:
+    """The mesh's norm, reduced over it. An inf / -inf norm reduces with MAX / MIN, which gloo
+    computes without NaN: a NaN gradient on a rank other than the first was dropped, and the
+    norm came out finite on every rank (`error_if_nonfinite` raised nothing and the next step
+    wrote the NaN into the weights; a review). Whether any rank's norm is NaN goes alongside,
+    as a 0/1 flag reduced the same way."""
+    full = norm.full_tensor()
+    if not math.isinf(norm_type):  # sums carry a NaN on every backend
+        return full
+    local = norm.to_local()
+    placements = [Partial("max") if isinstance(p, Partial) else p for p in norm.placements]
+    flag = DTensor.from_local(local.isnan().to(local.dtype), norm.device_mesh, placements)
+    return torch.where(flag.full_tensor().abs() > 0, torch.full_like(full, math.nan), full)

@@ -441,6 +441,34 @@ def test_mesh_and_policy_arguments_of_the_wrong_kind_are_named():
         fully_shard_moe(nn.Linear(2, 2), None, mp_policy=MixedPrecisionPolicy())
 
 
+def _nan_on_one_rank(rank: int, world: int):
+    from grouped_ep.parallel import clip_grad_norm_, fully_shard_moe, make_mesh
+
+    model = fully_shard_moe(make_model(4), make_mesh(1, 2))
+    lm_loss(model, batches(world, 1)[0, rank]).backward()
+    if rank == 1:  # an overflow in one expert's gradient, on the second rank only
+        model.layers[0].moe.experts.down_proj.grad.to_local().view(-1)[0] = float("nan")
+    out = {}
+    for norm_type in (2.0, float("inf"), -float("inf")):
+        try:
+            clip_grad_norm_(model, 1.0, norm_type, error_if_nonfinite=True)
+            out[norm_type] = "no error"
+        except RuntimeError as e:
+            out[norm_type] = str(e)
+    out["total"] = clip_grad_norm_(model, 1.0, float("inf")).item()
+    return out
+
+
+def test_clip_grad_norm_sees_a_nan_on_any_rank():
+    """The inf-norm is reduced with MAX, and gloo's MAX drops a NaN held by a rank other than
+    the first: the total came out finite on every rank, error_if_nonfinite raised nothing, and
+    the next step wrote the NaN into an expert (a review). One process raises (torch)."""
+    for rank, got in enumerate(run_ranks(_nan_on_one_rank, 2, timeout=TIMEOUT)):
+        for norm_type in (2.0, float("inf"), -float("inf")):
+            assert f"total {norm_type}-norm of the gradients is nan" in got[norm_type], (rank, got)
+        assert got["total"] != got["total"], (rank, got)  # NaN, as torch gives one process
+
+
 def test_clip_grad_norm_takes_torchs_arguments():
     # A drop-in for torch's: norm_type and error_if_nonfinite positionally, and foreach.
     from grouped_ep.parallel import clip_grad_norm_
