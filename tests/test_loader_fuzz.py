@@ -180,3 +180,19 @@ def test_header_over_the_format_limit_is_refused(tmp_path):
         f.truncate(8 + 100_000_001 + 64)
     with pytest.raises(LoadError, match=r"header length 100000001 exceeds 100000000 bytes"):
         load_sharded(_model(), path, progress=False)
+
+
+def test_a_key_named_twice_in_a_header_is_refused(tmp_path):
+    """JSON keeps the last of two equal keys: a header naming a tensor twice (or a field of
+    one twice) would load whichever came last, silently. Refused, naming the key."""
+    body = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    entry = '{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}'
+    twice = {
+        "tensor": '{"w": ' + entry + ', "w": ' + entry + "}",
+        "field": '{"w": {"dtype": "F32", "dtype": "F16", "shape": [4], "data_offsets": [0, 16]}}',
+    }
+    for what, header in twice.items():
+        path = tmp_path / f"{what}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + body)
+        with pytest.raises(LoadError, match=rf"{what}\.safetensors: duplicate key '(w|dtype)'"):
+            load_sharded(_model(), path, progress=False)

@@ -92,11 +92,13 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise LoadError(f"duplicate key {k!r} in header")
-        out[k] = v
+    out = dict(pairs)  # called for every object of the header: the loop only on a duplicate
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise LoadError(f"duplicate key {k!r} in header")
+            seen.add(k)
     return out
 
 
@@ -246,7 +248,10 @@ class Checkpoint:
 
 def _read_index(index_path: Path) -> dict[str, str]:
     def pairs(items: list) -> dict:
-        table: dict = {}
+        table = dict(items)
+        if len(table) == len(items):  # no key named twice: the common case, at C speed
+            return table
+        table = {}
         for k, v in items:  # a key named twice for two files: which one holds it?
             if k in table and table[k] != v and isinstance(v, str):
                 raise LoadError(
@@ -271,8 +276,10 @@ def _read_index(index_path: Path) -> dict[str, str]:
     # Files of this checkpoint only, never a path out of it. Checked on the name as written, not
     # on where it resolves: in the Hugging Face cache every file of a snapshot is a symlink to
     # a blob outside the snapshot directory.
-    for key, name in weight_map.items():
+    # Each file name once: a real index names its ~16 shards for tens of thousands of keys.
+    for name in set(weight_map.values()):
         if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            key = next(k for k, v in weight_map.items() if v == name)
             raise LoadError(
                 f"{index_path}: weight_map[{key!r}] = {name!r} is not a file inside {index_path.parent}"
             )
@@ -372,8 +379,9 @@ def _open_checkpoint(path: Path) -> Checkpoint:
     weight_map = _read_index(index_path)
     base = index_path.parent
     misplaced: set[str] = set()  # keys whose shard, as the index names it, lacks them
+    paths = {name: str(base / name) for name in set(weight_map.values())}
     for key, name in weight_map.items():
-        file_path = str(base / name)
+        file_path = paths[name]
         if file_path not in files:
             if not os.path.isfile(file_path):
                 what = (
