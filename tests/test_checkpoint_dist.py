@@ -273,17 +273,19 @@ def tiny_qwen3_moe(seed: int, **config_overrides) -> nn.Module:
     from grouped_ep.demo.model import tiny_qwen3_moe_config
 
     config = tiny_qwen3_moe_config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        max_position_embeddings=64,
-        **config_overrides,
+        **{
+            "vocab_size": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "moe_intermediate_size": 8,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "num_experts": 4,
+            "max_position_embeddings": 64,
+            **config_overrides,
+        }
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -383,3 +383,32 @@ def test_ctrl_c_during_an_export_leaves_no_temporary_file(tmp_path: Path, monkey
     with pytest.raises(KeyboardInterrupt):
         ck.export_hf(model, out, max_shard_size="10KB")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_walks_the_model_a_number_of_times_linear_in_its_layers(tmp_path, monkeypatch):
+    """Per model tensor, the export walked every module of the model twice (the FSDP2 class
+    names, and transformers' conversion mapping): time in layers squared (a review: 96 layers,
+    5.7 million `named_modules` calls, 27 s against 4.8 s for save_pretrained). The conversion
+    is now read once per export. The exported keys and values are unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    calls = [0]
+    named_modules = nn.Module.named_modules
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return named_modules(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "named_modules", counting)
+    walks = {}
+    for layers in (2, 8):
+        model = tiny_qwen3_moe(seed=0, num_hidden_layers=layers)
+        calls[0] = 0
+        ck.export_hf(model, tmp_path / f"l{layers}")
+        walks[layers] = calls[0]
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"l{layers}"))
+        want = model.state_dict()
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, want[name]), name
+    # 4x the layers: at most 4x the walks (16x before), plus those made once per export
+    assert walks[8] <= 4 * walks[2], walks

@@ -57,7 +57,7 @@ from grouped_ep.checkpoint.safetensors_writer import (
     StreamingSafetensorsWriter,
     parse_size,
 )
-from grouped_ep.loading.converted import is_transformers_model
+from grouped_ep.loading.converted import conversion_session, is_transformers_model
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -140,54 +140,57 @@ def export_hf(
             )
 
     on_rank0(prepare)
-    entries = plan(model, rank, world)
-    per_rank = [
-        _pack([p for e in entries for p in e.writes.get(r, [])], limit) for r in range(world)
-    ]
-    seen_keys: set[str] = set()
-    for p in (p for files in per_rank for f in files for p in f):
-        if p.key in seen_keys:  # the same on every rank: all raise before anything is written
-            raise CheckpointError(f"export_hf: checkpoint key {p.key!r} is planned twice")
-        seen_keys.add(p.key)
-    n_files = sum(len(f) for f in per_rank)
-    first_file = sum(len(f) for f in per_rank[:rank])
-    names = [
-        f"model-{first_file + i + 1:05d}-of-{n_files:05d}.safetensors"
-        for i in range(len(per_rank[rank]))
-    ]
+    with conversion_session(model):  # transformers' conversions, read once per export
+        entries = plan(model, rank, world)
+        per_rank = [
+            _pack([p for e in entries for p in e.writes.get(r, [])], limit) for r in range(world)
+        ]
+        seen_keys: set[str] = set()
+        for p in (p for files in per_rank for f in files for p in f):
+            if p.key in seen_keys:  # the same on every rank: all raise before anything is written
+                raise CheckpointError(f"export_hf: checkpoint key {p.key!r} is planned twice")
+            seen_keys.add(p.key)
+        n_files = sum(len(f) for f in per_rank)
+        first_file = sum(len(f) for f in per_rank[:rank])
+        names = [
+            f"model-{first_file + i + 1:05d}-of-{n_files:05d}.safetensors"
+            for i in range(len(per_rank[rank]))
+        ]
 
-    staged = out_dir / f".tmp-configs-{uuid.uuid4().hex}"  # written with the weights, moved last
+        staged = (
+            out_dir / f".tmp-configs-{uuid.uuid4().hex}"
+        )  # written with the weights, moved last
 
-    # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
-    # readable until every rank has written all of its files, and a failed export removes its
-    # own temporary files and changes nothing else.
-    def remove_tmp() -> None:
-        for name in names:  # never in place of the error that brought us here (a read-only
-            with contextlib.suppress(OSError):  # mount says EROFS even for a missing file)
-                (out_dir / f".tmp-{name}").unlink(missing_ok=True)
-        shutil.rmtree(staged, ignore_errors=True)
+        # Everything is written under .tmp- names first: an earlier export in `dir` stays whole and
+        # readable until every rank has written all of its files, and a failed export removes its
+        # own temporary files and changes nothing else.
+        def remove_tmp() -> None:
+            for name in names:  # never in place of the error that brought us here (a read-only
+                with contextlib.suppress(OSError):  # mount says EROFS even for a missing file)
+                    (out_dir / f".tmp-{name}").unlink(missing_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)
 
-    def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go
-        error = None
-        try:
-            work()
-        except Exception as e:
-            error = e
-        except BaseException:  # Ctrl-C: this rank's files go, and it stops here
-            remove_tmp()
-            raise
-        try:
-            all_ok(error, f"export_hf: {what}")
-        except CheckpointError:
-            remove_tmp()
-            raise
+        def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go
+            error = None
+            try:
+                work()
+            except Exception as e:
+                error = e
+            except BaseException:  # Ctrl-C: this rank's files go, and it stops here
+                remove_tmp()
+                raise
+            try:
+                all_ok(error, f"export_hf: {what}")
+            except CheckpointError:
+                remove_tmp()
+                raise
 
-    def write() -> None:
-        _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
-        if rank == 0:  # its failure (a generation config transformers refuses) changes nothing
-            write_hf_configs(model, staged)
+        def write() -> None:
+            _write_rank(model, entries, rank, per_rank[rank], out_dir, names)
+            if rank == 0:  # its failure (a generation config transformers refuses) changes nothing
+                write_hf_configs(model, staged)
 
-    step(f"writing {out_dir}", write)
+        step(f"writing {out_dir}", write)
     # From here the earlier export must not load as a half-new one: its index goes first, and a
     # single-file `model.safetensors` (which transformers reads before any index). A failed
     # rename is raised on every rank (no rank left waiting in a collective) and leaves neither,
