@@ -190,6 +190,46 @@ def test_zero_sized_dims():
 
 
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("pattern", ["empty_group", "tail_rows"])
+def test_forward_mode_ad_matches_reference(pattern, trans_w):
+    """Forward-mode AD had no rule: torch.func.jvp, jacfwd, linearize and forward_ad gave zero
+    tangents, silently, and through an MoE layer a plausible wrong one (a review)."""
+    x, w, offs = make_case(pattern, k=6, n=5, dtype=torch.float64, trans_w=trans_w)
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    ours = lambda a, b: grouped_ep.gemm(a, b, offs, trans_w=trans_w)  # noqa: E731
+    ref = lambda a, b: gemm_ref(a, b, offs, trans_w)  # noqa: E731
+    for tangents in ((tx, tw), (tx, torch.zeros_like(w)), (torch.zeros_like(x), tw)):
+        got, want = torch.func.jvp(ours, (x, w), tangents), torch.func.jvp(ref, (x, w), tangents)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.func.jacfwd(ours)(x, w), torch.func.jacfwd(ref)(x, w))
+    with torch.autograd.forward_ad.dual_level():  # a tangent on w only
+        out = ours(x, torch.autograd.forward_ad.make_dual(w, tw))
+        tangent = torch.autograd.forward_ad.unpack_dual(out).tangent
+    torch.testing.assert_close(tangent, gemm_ref(x, tw, offs, trans_w), rtol=1e-12, atol=1e-12)
+    if pattern != "empty_group":
+        return
+    # Against numerical derivatives, on a smaller case (one jvp per input element).
+    x, w, offs = make_case(pattern, k=3, n=2, dtype=torch.float64, trans_w=trans_w)
+    x, w = x[:6].requires_grad_(True), w.requires_grad_(True)
+    offs = offs.clamp(max=6)
+    fn_checks = dict(check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False)
+    assert torch.autograd.gradcheck(ours, (x, w), **fn_checks)
+    dy = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+    wg = lambda a, b: grouped_ep.gemm_wgrad(a, b, offs, trans_w=trans_w)  # noqa: E731
+    assert torch.autograd.gradcheck(wg, (x, dy), **fn_checks)
+
+
+def test_forward_mode_ad_through_an_moe_layer():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, 2, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    v = torch.randn_like(x)
+    got = torch.func.jvp(moe, (x,), (v,))[1]
+    want = torch.autograd.functional.jvp(moe, x, v)[1]  # through backward, twice
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
 def test_gradcheck_fp64(trans_w):
     x, w, offs = make_case("empty_group", k=6, n=5, dtype=torch.float64, trans_w=trans_w)
     x.requires_grad_(True)
