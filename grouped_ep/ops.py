@@ -20,6 +20,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from grouped_ep._op_autograd import register_autograd
+
 _ops = torch.ops.grouped_ep
 
 __all__ = ["gemm", "gemm_wgrad"]
@@ -207,51 +209,6 @@ torch.library.register_torch_dispatch("grouped_ep::gemm", DTensor, _gemm_dtensor
 torch.library.register_torch_dispatch("grouped_ep::gemm_wgrad", DTensor, _gemm_wgrad_dtensor)
 
 
-# ---- autograd: reverse mode, and forward mode -------------------------------------------------
-
-
-def _bilinear_tangent(op, first: Tensor, second: Tensor, offs: Tensor, trans_w: bool, t1, t2):
-    """The tangent of `op(first, second, offs, trans_w)`, linear in each of its two tensors:
-    op(t1, second) + op(first, t2), a term for each tangent that is there."""
-    terms = [op(t1, second, offs, trans_w)] if t1 is not None else []
-    if t2 is not None:
-        terms.append(op(first, t2, offs, trans_w))
-    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
-_AUTOGRAD_LIB = torch.library.Library("grouped_ep", "IMPL")  # held: its kernels live with it
-
-
-def _register_autograd(name: str, backward, setup_context) -> None:
-    """`torch.library.register_autograd`, plus forward-mode AD (`torch.func.jvp`, `jacfwd`,
-    `torch.autograd.forward_ad`): torch gives a custom op no forward rule, and its tangents came
-    out zero, silently (a review). Both ops are bilinear in their two tensors, so the tangent is
-    the op applied to each tangent with the other primal. A torch without the kernel maker this
-    uses (internal) registers reverse mode only."""
-    op = getattr(_ops, name).default
-    maker = getattr(getattr(torch._library, "autograd", None), "make_autograd_impl", None)
-    if maker is None:
-        torch.library.register_autograd(
-            f"grouped_ep::{name}", backward, setup_context=setup_context
-        )
-        return
-    reverse = maker(op, torch._library.autograd.Info(backward, setup_context))
-
-    def kernel(keyset, *args, **kwargs):
-        if torch.autograd.forward_ad._current_level < 0:  # no dual level: reverse mode only
-            return reverse(keyset, *args, **kwargs)
-        first, second, offs, *rest = args
-        (p1, t1), (p2, t2) = (torch.autograd.forward_ad.unpack_dual(a) for a in (first, second))
-        if t1 is None and t2 is None:
-            return reverse(keyset, *args, **kwargs)
-        out = reverse(keyset, p1, p2, offs, *rest, **kwargs)
-        trans_w = rest[0] if rest else False
-        tangent = _bilinear_tangent(getattr(_ops, name), p1, p2, offs, trans_w, t1, t2)
-        return torch.autograd.forward_ad.make_dual(out, tangent)
-
-    _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
-
-
 # ---- gemm ----------------------------------------------------------------------------------------
 
 
@@ -358,7 +315,7 @@ def _gemm_backward(ctx, dy: Tensor):
     return dx, dw, None, None
 
 
-_register_autograd("gemm", _gemm_backward, _gemm_setup_context)
+register_autograd("gemm", _gemm_backward, _gemm_setup_context)
 
 
 # ---- gemm_wgrad ----------------------------------------------------------------------------------
@@ -425,7 +382,7 @@ def _wgrad_backward(ctx, grad: Tensor):
     return dx, ddy, None, None
 
 
-_register_autograd("gemm_wgrad", _wgrad_backward, _wgrad_setup_context)
+register_autograd("gemm_wgrad", _wgrad_backward, _wgrad_setup_context)
 
 
 # ---- native I/O ops ---------------------------------------------------------------------------
