@@ -212,3 +212,36 @@ def test_transformers_older_than_5_21_is_refused_by_name(tmp_path: Path, monkeyp
         "ImportError: import grouped_ep.hf: grouped_ep's transformers integration needs "
         in run.stderr
     )
+
+
+def test_the_state_old_saves_made_for_an_unstepped_optimizer_warns(tmp_path: Path) -> None:
+    """A save before ae712ba (2026-11-25) of an optimizer that had not stepped wrote the state
+    torch's get_state_dict made by a step at lr 0: step 1, zero moments. It resumed so, without
+    a word, and the first update came out 0.74x (a review). It is the one state such a save
+    leaves that a real step does not (but for all-zero gradients): warned of."""
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():  # what the old save's step at lr 0 left: step 1, zero moments
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    step = ck.save(tmp_path, model, opt, step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    del manifest["tied"]  # as saves before 7f1aa23 (after ae712ba) wrote it
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"optimizer.state.clear\(\) after this load") as seen:
+        ck.load(tmp_path, model, fresh)
+    assert seen[0].filename == __file__  # points at the call of load
+    # A stepped optimizer's state, or this one in a save that records "tied": no warning.
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    for record_tied, stepped in ((False, True), (True, False)):
+        root = tmp_path / f"r{int(record_tied)}"
+        saved = ck.save(root, model, opt if stepped else fresh, step=1)
+        if not record_tied:
+            meta = json.loads((saved / "grouped_ep.json").read_text())
+            del meta["tied"]
+            (saved / "grouped_ep.json").write_text(json.dumps(meta))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.load(root, model, torch.optim.AdamW(model.parameters(), lr=0.1))

@@ -130,6 +130,32 @@ def warn_untracked_ties(ckpt: Path, manifest: dict, stateless: list[str]) -> Non
         )
 
 
+def warn_made_state(ckpt: Path, manifest: dict, optimizer: torch.optim.Optimizer) -> None:
+    """For a checkpoint of a grouped_ep from before 2026-11-25 (ae712ba; its manifest has no
+    "tied"), warn where the optimizer state just loaded is the one torch's `get_state_dict` made
+    for an optimizer that had not stepped: step 1 and every other tensor zero, on every
+    parameter. A real step leaves that only with all-zero gradients. Resumed so, the first real
+    AdamW update is bias-corrected as the second (0.74x; a review)."""
+    if not manifest or "tied" in manifest or not optimizer.state:
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if not isinstance(local, torch.Tensor):
+                return
+            if key == "step" and not bool((local == 1).all()):
+                return
+            if key != "step" and local.is_floating_point() and bool(local.any()):
+                return
+    warnings.warn(
+        f"load: {ckpt} was saved by a grouped_ep from before 2026-11-25, and its optimizer "
+        "state is step 1 with all-zero moments on every parameter: what such a save wrote for "
+        "an optimizer that had not stepped yet. If it had not, call optimizer.state.clear() "
+        "after this load; as loaded, the first update is taken as the second",
+        stacklevel=4,  # the caller of checkpoint.load (through _load)
+    )
+
+
 def _flat_tensor_shapes(obj: Any, prefix: str) -> dict[str, torch.Size]:
     """DCP's flattened key (`model.layer.weight`) -> global shape, for every tensor in `obj`."""
     out: dict[str, torch.Size] = {}

@@ -49,6 +49,7 @@ from grouped_ep.checkpoint.fit import (
     refuse_untied,
     stateless_params,
     take_unsaved_hyperparameters,
+    warn_made_state,
     warn_untracked_ties,
     without,
 )
@@ -210,6 +211,7 @@ def _load(
         for group, kept in zip(optimizer.param_groups, unsaved):
             for key, value in kept.items():
                 group.setdefault(key, value)
+        warn_made_state(ckpt, manifest, optimizer)
     refresh_buffers(model)
     return extra
 
