@@ -139,6 +139,8 @@ def warn_made_state(ckpt: Path, manifest: dict, optimizer: torch.optim.Optimizer
     if not manifest or "tied" in manifest or not optimizer.state:
         return
     for state in optimizer.state.values():
+        if "step" not in state:  # SGD's momentum: a zero buffer resumes as a fresh one would
+            return
         for key, value in state.items():
             local = value.to_local() if isinstance(value, DTensor) else value
             if not isinstance(local, torch.Tensor):
