@@ -46,16 +46,26 @@ def conversion_session(model) -> Iterator[None]:
     if not is_transformers_model(model) or id(model) in _SESSIONS:
         yield
         return
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
-
     with own_class_names(model):
-        forward = get_model_conversion_mapping(model, add_legacy=False)
-        _SESSIONS[id(model)] = [c for c in forward if not isinstance(c, PrefixChange)]
+        _SESSIONS[id(model)] = default_conversions(model)
         try:
             yield
         finally:
             del _SESSIONS[id(model)]
+
+
+def default_conversions(model) -> list:
+    """transformers' default conversions of `model`, as `revert_weight_conversion` computes them
+    for a model `from_pretrained` recorded none on (its PrefixChanges dropped); computed once
+    per `conversion_session`. Call under `own_class_names`: they are found by class name."""
+    cached = _SESSIONS.get(id(model))
+    if cached is not None:
+        return cached
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    forward = get_model_conversion_mapping(model, add_legacy=False)
+    return [c for c in forward if not isinstance(c, PrefixChange)]
 
 
 @contextlib.contextmanager
@@ -103,25 +113,20 @@ def revert_conversion(
     from transformers.core_model_loading import revert_weight_conversion
 
     recorded = model.__dict__.get("_weight_conversions", _NONE)
-    default = _SESSIONS.get(id(model))
-    if default is not None and (default_mapping or recorded in (_NONE, None)):
-        if not default:  # what transformers does with no conversion for the model
+    with own_class_names(model):
+        if not default_mapping and recorded not in (_NONE, None):  # from_pretrained's own
+            return revert_weight_conversion(model, state_dict)
+        default = default_conversions(model)
+        if not default:  # no conversion for the model: transformers returns the dict as it is
             return state_dict
-        mapping = default  # computed once for the session, as transformers would compute it
-    elif not default_mapping or recorded is _NONE:
-        with own_class_names(model):
+        model.__dict__["_weight_conversions"] = default  # handed over, not computed again
+        try:
             return revert_weight_conversion(model, state_dict)
-    else:
-        mapping = None
-    model.__dict__["_weight_conversions"] = mapping
-    try:
-        with own_class_names(model):
-            return revert_weight_conversion(model, state_dict)
-    finally:
-        if recorded is _NONE:
-            del model.__dict__["_weight_conversions"]
-        else:
-            model.__dict__["_weight_conversions"] = recorded
+        finally:
+            if recorded is _NONE:
+                del model.__dict__["_weight_conversions"]
+            else:
+                model.__dict__["_weight_conversions"] = recorded
 
 
 _NONE = object()
@@ -140,19 +145,13 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
     singles = [[n] for n in names]
     if not is_transformers_model(model):
         return singles
-    # Imported outside the try: a name that moved is an ImportError naming it (5.21+ is checked
-    # at the entry points), not one tensor at a time, which is wrong for merging converters.
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+    from transformers.core_model_loading import WeightConverter, apply_converters
 
     try:
         with own_class_names(model):
             forward = None if default_mapping else getattr(model, "_weight_conversions", None)
-            if forward is None and id(model) in _SESSIONS:
-                forward = _SESSIONS[id(model)]
-            elif forward is None:
-                forward = get_model_conversion_mapping(model, add_legacy=False)
-                forward = [c for c in forward if not isinstance(c, PrefixChange)]
+            if forward is None:
+                forward = default_conversions(model)
             reverse = [c.reverse_transform() for c in forward[::-1]]
         converters = [c for c in reverse if isinstance(c, WeightConverter)]
         groups: dict[str, list[str]] = {}
@@ -160,6 +159,8 @@ def conversion_groups(model, names: list[str], default_mapping: bool = False) ->
             renamed, pattern = apply_converters(name, converters)
             groups.setdefault(renamed if pattern is not None else f"\0{name}", []).append(name)
         return list(groups.values())
+    except ImportError:  # a name that moved (5.21+ is checked at the entry points): raised,
+        raise  # not one tensor at a time, which is wrong for merging converters
     except Exception:  # noqa: BLE001 (a mapping that cannot be read: one name at a time)
         return singles
 
