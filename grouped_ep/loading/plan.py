@@ -153,14 +153,18 @@ def _box_ranges(box: list[tuple[int, int]], piece: Piece):
     while k > 0 and s0[k] == 0 and d0[k] == 0 and count[k] == file_shape[k] == lshape[k]:
         k -= 1
     f_stride, d_stride = _strides(file_shape), _strides(lshape)
+    length = count[k] * math.prod(count[k + 1 :]) * item
+    if math.prod(count[:k]) == 1:  # one run (an expert's whole matrix): no index arithmetic
+        src = piece.entry.start + sum(s * f for s, f in zip(s0[: k + 1], f_stride)) * item
+        dst = sum(s * f for s, f in zip(d0[: k + 1], d_stride)) * item
+        return np.array([src], np.int64), np.array([dst], np.int64), np.array([length], np.int64)
     src = np.array([s0[k] * f_stride[k]], np.int64)
     dst = np.array([d0[k] * d_stride[k]], np.int64)
     for d in range(k - 1, -1, -1):
         steps = np.arange(count[d], dtype=np.int64)
         src = np.add.outer((steps + s0[d]) * f_stride[d], src).ravel()
         dst = np.add.outer((steps + d0[d]) * d_stride[d], dst).ravel()
-    length = np.full(len(src), count[k] * math.prod(count[k + 1 :]), np.int64)
-    return piece.entry.start + src * item, dst * item, length * item
+    return piece.entry.start + src * item, dst * item, np.full(len(src), length, np.int64)
 
 
 def piece_ranges(
@@ -323,15 +327,17 @@ def plan_target(target: Target, file_ids: dict[str, int], device: torch.device |
         )
     target.read_dtype = src_dtype
     target.device = torch.device(device or "cpu") if t.is_meta else local_tensor(t).device
-    files, srcs, dsts, lens = [], [], [], []
+    ids, runs, srcs, dsts, lens = [], [], [], [], []
     box = owned_boxes(owned, tuple(t.shape))
     for piece in target.pieces:
         src, dst, length = piece_ranges(owned, tuple(t.shape), piece, box)
-        files.append(np.full(len(src), file_ids[piece.entry.path], np.int64))
+        ids.append(file_ids[piece.entry.path])
+        runs.append(len(src))
         srcs.append(src)
         dsts.append(dst)
         lens.append(length)
-    target.rows = coalesce(*(np.concatenate(a) for a in (files, srcs, dsts, lens)))
+    files = np.repeat(np.array(ids, np.int64), runs)
+    target.rows = coalesce(files, *(np.concatenate(a) for a in (srcs, dsts, lens)))
     planned = int(target.rows[:, 3].sum()) if len(target.rows) else 0
     if planned != target.read_bytes:  # the pieces must tile this rank's shard exactly
         raise LoadError(
