@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 # id -> (a weak reference to the replaced parameter, its name in the model, what replaced it)
 _REPLACED: dict[int, tuple[weakref.ref, str, str]] = {}
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its signature
+_SHARDED: weakref.WeakSet = weakref.WeakSet()  # models fully_shard_moe sharded
 _version = 0
 _hook = None
 
@@ -66,8 +67,45 @@ def built_before_sharding(stale: list[tuple[str, str]]) -> str:
     )
 
 
+def noting_gathered(model: nn.Module) -> None:
+    """Watch `model`'s FSDP2 units: a step of an optimizer holding their gathered tensors (built
+    after a training forward, which leaves the root and the last block gathered for the
+    backward) is refused. Its steps never reach the sharded parameters (a review: the whole
+    last block untrained, no error until `checkpoint.save`)."""
+    global _version, _hook
+    _SHARDED.add(model)
+    _version += 1
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_refuse_replaced)
+
+
+def held_gathered(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the gathered FSDP2 tensors of a watched model that `optimizer` holds."""
+    from grouped_ep._reshard import gathered_params
+
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [
+        name
+        for model in list(_SHARDED)
+        for key, name in gathered_params(model).items()
+        if key in held
+    ]
+
+
+def built_while_gathered(names: list[str]) -> str:
+    """The message for an optimizer holding the gathered tensors `names`."""
+    shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+    return (
+        f"the optimizer holds {len(names)} gathered FSDP tensor(s) instead of the sharded "
+        f"parameters ({shown}): it was built after a training forward, which leaves the root "
+        "and the last block gathered for the backward, and its steps would never change them. "
+        "Build the optimizer from model.parameters() before the first forward, or after a "
+        "backward or a forward under torch.no_grad()"
+    )
+
+
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _REPLACED:
+    if not _REPLACED and not _SHARDED:
         return
     signature = (_version, sum(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) == signature:
@@ -75,4 +113,7 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     stale = held_replaced(optimizer)
     if stale:
         raise RuntimeError(f"{type(optimizer).__name__}.step: {built_before_sharding(stale)}")
+    gathered = held_gathered(optimizer)
+    if gathered:
+        raise RuntimeError(f"{type(optimizer).__name__}.step: {built_while_gathered(gathered)}")
     _CHECKED[optimizer] = signature

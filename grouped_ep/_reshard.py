@@ -21,13 +21,35 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11: one group
-        if groups is None:
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
+        for group in _param_groups(module):
             group._training_state = TrainingState.IDLE
         module.reshard()
+
+
+def _param_groups(module: FSDPModule) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11: one group
+    if groups is None:
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    return groups
+
+
+def gathered_params(model: nn.Module) -> dict[int, str]:
+    """id -> name of the gathered (unsharded) tensors of `model`'s FSDP2 units, those a forward
+    made. Each unit keeps its gathered Parameter objects between forwards (freed storage, same
+    objects): an optimizer built while they were in the model holds them still."""
+    modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    out = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in _param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    gathered = getattr(fsdp_param, "_unsharded_param", None)  # after a gather
+                    if gathered is not None:
+                        info = fsdp_param._module_info
+                        prefix = modules.get(id(info.module), "?")
+                        out[id(gathered)] = f"{prefix}.{info.param_name}".lstrip(".")
+    return out
 
 
 def _needs_grad(output: Any) -> bool:

@@ -31,7 +31,7 @@ from grouped_ep._clip_grad import clip_grad_norm_
 from grouped_ep._expert_units import expert_placement, experts_reshard, single_rank_reduce
 from grouped_ep._inference_mode import guard_first_forward
 from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
-from grouped_ep._replaced import noting_replaced
+from grouped_ep._replaced import noting_gathered, noting_replaced
 from grouped_ep._reshard import reshard_after_gradless_forward
 from grouped_ep._save_pretrained import guard_save_pretrained
 from grouped_ep._validate import is_int
@@ -365,6 +365,7 @@ def fully_shard_moe(
     _refuse_shared_across_blocks(model, [names[id(b)] for b in blocks])
     with noting_replaced(model, "fully_shard_moe"):
         _fully_shard_moe(model, experts, blocks, last_blocks, names, mesh, kwargs)
+    noting_gathered(model)  # an optimizer built after a training forward: refused at step()
     guard_first_forward(model)  # a first forward under inference_mode broke FSDP2 for good
     reshard_after_gradless_forward(model)  # else an optimizer built next holds gathered tensors
     guard_save_pretrained(model)

@@ -454,14 +454,21 @@ def _readme_load_path(rank: int, world: int, path: str) -> dict:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     grouped_ep.hf.parallelize(model, mesh)  # experts Shard(0) over "ep", FSDP2 over all ranks
     report = grouped_ep.load_sharded(model, path, device="cpu")  # this rank's bytes only
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # before the forward
+    before = [p.full_tensor().clone() for p in model.parameters()]
     ids = batch(world)[rank]
     logits = model(ids).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
     loss.backward()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     opt.step()
+    unchanged = sum(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
     after = model(ids).logits.detach()
-    return {"logits": logits.detach(), "after": after, "owned": report.bytes_owned}
+    return {
+        "logits": logits.detach(),
+        "after": after,
+        "owned": report.bytes_owned,
+        "unchanged": unchanged,
+    }
 
 
 @pytest.mark.slow
@@ -475,6 +482,7 @@ def test_readme_load_path_gives_transformers_logits(tmp_path):
             ref = model(ids[rank]).logits
         torch.testing.assert_close(out["logits"], ref, atol=TOL, rtol=0)
         assert not torch.allclose(out["after"], out["logits"])  # the AdamW step changed them
+        assert out["unchanged"] == 0  # every parameter trained, the last block's too
         assert out["owned"] > 0
 
 

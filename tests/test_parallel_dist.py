@@ -611,25 +611,35 @@ def _optimizer_after_eval_rank(rank: int, world: int, root: str) -> tuple[int, i
     model(ids)  # gradients on, no backward: units stay gathered, this optimizer is built wrong
     wrong = torch.optim.AdamW(model.parameters())
     try:
+        wrong.step()  # refused before it steps: it would never change the gathered block
+        stepped = ""
+    except RuntimeError as e:
+        stepped = str(e)
+    try:
         checkpoint.save(root, model, wrong)
         message = ""
     except checkpoint.CheckpointError as e:
         message = str(e)
     plain = sum(not isinstance(p, DTensor) for p in model.parameters())
-    return unchanged, plain, message
+    opt.step()  # the right optimizer still steps
+    return unchanged, plain, message, stepped
 
 
 def test_optimizer_built_after_an_evaluation_trains_every_parameter(tmp_path):
     """After a no-grad forward the root and the last block stayed gathered: an optimizer built
     then held their gathered tensors, and training left those parameters unchanged, silently (a
     review: 9 of 25); save with it crashed the process. Now units are resharded after such a
-    forward, and save refuses an optimizer that holds tensors not the model's."""
-    for unchanged, plain, message in run_ranks(
+    forward, and save refuses an optimizer that holds tensors not the model's. An optimizer
+    built after a training forward holds the root's and the last block's gathered tensors: its
+    first step() is refused, naming them (it stepped, and the block never trained; a review)."""
+    for unchanged, plain, message, stepped in run_ranks(
         _optimizer_after_eval_rank, 2, str(tmp_path), timeout=TIMEOUT
     ):
         assert unchanged == 0
         assert plain == 0  # save resharded what the grad-enabled forward left gathered
         assert "optimizer holds tensors that are not the model's parameters" in message
+        assert "AdamW.step: the optimizer holds" in stepped
+        assert "gathered FSDP tensor(s)" in stepped and "layers.1." in stepped, stepped
 
 
 def _frozen_forward_rank(rank: int, world: int) -> tuple[int, int, int]:
