@@ -38,12 +38,24 @@ def clip_grad_norm_(
     Returns:
         The total norm of all the gradients before clipping (a plain 0-d tensor).
     """
+    try:
+        norm_type = float(norm_type)  # as torch's: "inf" from a config is float("inf")
+    except (TypeError, ValueError):
+        raise TypeError(f"clip_grad_norm_: norm_type must be a number, got {norm_type!r}") from None
     if isinstance(parameters, nn.Module):
         params = list(parameters.parameters())
     elif isinstance(parameters, torch.Tensor):
         params = [parameters]
     else:
-        params = list(parameters)
+        try:
+            params = list(parameters)
+        except TypeError:
+            params = None
+        if params is None or not all(isinstance(p, torch.Tensor) for p in params):
+            raise TypeError(
+                "clip_grad_norm_: parameters must be a module, a tensor or an iterable of "
+                f"tensors, got {type(parameters).__name__}"
+            )
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)

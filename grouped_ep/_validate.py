@@ -17,6 +17,33 @@ def check_flag(value: object, what: str, none_ok: bool = False) -> None:
     raise ValueError(f"{what} must be {expected}, got {value!r}")
 
 
+def check_module(model: object, caller: str, name: str = "model") -> None:
+    """TypeError naming `caller`'s `name` unless `model` is an nn.Module (swapped arguments, an
+    optimizer passed as the model, gave an AttributeError from deep inside)."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: {name} must be an nn.Module, got {type(model).__name__}")
+
+
+def check_path(
+    path: object,
+    what: str,
+    error: type[Exception] = ValueError,
+    type_error: type[Exception] = TypeError,
+) -> None:
+    """`path` must be a str or os.PathLike (None or bytes: `type_error` naming `what`, not
+    pathlib's message), and not empty: "" names the working directory, which no caller means
+    (an unset environment variable, `os.environ.get("CKPT_DIR", "")`): `error`."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise type_error(f"{what} must be a str or os.PathLike, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise error(
+            f'{what} is empty ("" would be the working directory: an unset variable?); name '
+            "the directory"
+        )
+
+
 def is_int(value: object) -> bool:
     """An int, and not a bool (True is an int to Python: `step=True` must not mean step 1)."""
     return isinstance(value, int) and not isinstance(value, bool)

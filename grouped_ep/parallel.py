@@ -19,6 +19,7 @@ against single-process training.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +35,7 @@ from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
 from grouped_ep._replaced import noting_gathered, noting_replaced
 from grouped_ep._reshard import reshard_after_gradless_forward
 from grouped_ep._save_pretrained import guard_save_pretrained
-from grouped_ep._validate import is_int
+from grouped_ep._validate import check_module, is_int
 from grouped_ep.moe import GroupedExperts
 
 __all__ = [
@@ -218,6 +219,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     rank's `E / ep` experts, sliced from the full local tensor (no communication; a meta model
     stays on meta). Sets `module.ep_mesh`. Idempotent. Returns `model`.
     """
+    check_module(model, "apply_expert_parallel")
     if not isinstance(ep_mesh, DeviceMesh):
         raise TypeError(
             "apply_expert_parallel: ep_mesh must be a 1-D DeviceMesh (e.g. make_mesh(dp, ep)"
@@ -308,11 +310,25 @@ def check_mesh(mesh: DeviceMesh, caller: str) -> None:
         )
 
 
-def check_reshard(reshard_after_forward: bool | int, mesh: DeviceMesh, op: str) -> None:
-    """An int `reshard_after_forward` must divide both FSDP group sizes of `fully_shard_moe`."""
+def check_policy(mp_policy: object, op: str) -> None:
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{op}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+            f"got {mp_policy!r}"
+        )
+
+
+def check_reshard(reshard_after_forward: bool | int, mesh: DeviceMesh, op: str) -> bool | int:
+    """`reshard_after_forward` as a bool, or an int that divides both FSDP group sizes of
+    `fully_shard_moe`: anything else refused before anything is sharded (torch refused a string
+    only at the experts' fully_shard, the model half converted and a retry refused as "already
+    a DTensor"; a review)."""
     n = reshard_after_forward
-    if isinstance(n, bool) or not isinstance(n, int):
-        return
+    if isinstance(n, bool) or type(n).__name__ == "bool_":
+        return bool(n)
+    if not isinstance(n, numbers.Integral):
+        raise ValueError(f"{op}: reshard_after_forward must be True, False or an int, got {n!r}")
+    n = int(n)
     dp, ep = mesh.size(0), mesh.size(1)
     if n < 1 or dp % n or (dp * ep) % n:
         raise ValueError(
@@ -320,6 +336,7 @@ def check_reshard(reshard_after_forward: bool | int, mesh: DeviceMesh, op: str) 
             f"applies to: the experts' 'dp' group ({dp} rank(s)) and the dense weights' 'dp' x "
             f"'ep' group ({dp * ep}); pass True or False, or an int that divides both"
         )
+    return n
 
 
 def fully_shard_moe(
@@ -346,13 +363,10 @@ def fully_shard_moe(
     units take an int between 1 and `dp` as True (FSDP2 cannot reshard their DTensor weights
     to a smaller mesh).
     """
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            "fully_shard_moe: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
-            f"or None, got {mp_policy!r}"
-        )
+    check_module(model, "fully_shard_moe")
+    check_policy(mp_policy, "fully_shard_moe")
     check_mesh(mesh, "fully_shard_moe")
-    check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
+    reshard_after_forward = check_reshard(reshard_after_forward, mesh, "fully_shard_moe")
     experts = check_shardable(model, mesh["ep"], "fully_shard_moe", with_fsdp=True)  # first
     if not experts:
         raise ValueError(f"fully_shard_moe: {type(model).__name__} has no experts module")

@@ -145,5 +145,5 @@ def test_bad_arguments_are_named():
     for k in (0, 3):
         with pytest.raises(ValueError, match=r"route: top_k must be an int in \[1, 2\]"):
             route(torch.randn(4, 8), torch.randn(2, 8), k)
-    with pytest.raises(TypeError, match="MoE: dispatcher must have dispatch"):
+    with pytest.raises(TypeError, match="MoE: dispatcher must be an object with dispatch"):
         MoE(16, 8, 4, 2, dispatcher=object())  # failed at the first forward

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -434,6 +435,12 @@ def test_mesh_and_policy_arguments_of_the_wrong_kind_are_named():
     for mesh in ("ep", None, [0, 1]):
         with pytest.raises(TypeError, match="apply_expert_parallel: ep_mesh must be a 1-D"):
             apply_expert_parallel(nn.Linear(2, 2), mesh)
+    # An optimizer or a string as the model: named, not an AttributeError from inside.
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match="apply_expert_parallel: model must be an nn.Module"):
+        apply_expert_parallel(opt, None)
+    with pytest.raises(TypeError, match="fully_shard_moe: model must be an nn.Module, got SGD"):
+        fully_shard_moe(opt, None)
     for policy in ("bf16", torch.bfloat16, {"param_dtype": torch.bfloat16}):
         with pytest.raises(TypeError, match="fully_shard_moe: mp_policy must be a .*"):
             fully_shard_moe(nn.Linear(2, 2), None, mp_policy=policy)
@@ -456,6 +463,7 @@ def _nan_on_one_rank(rank: int, world: int):
         except RuntimeError as e:
             out[norm_type] = str(e)
     out["total"] = clip_grad_norm_(model, 1.0, float("inf")).item()
+    out["named"] = clip_grad_norm_(model, 1.0, "inf").item()  # a config's string, as torch's
     return out
 
 
@@ -467,6 +475,7 @@ def test_clip_grad_norm_sees_a_nan_on_any_rank():
         for norm_type in (2.0, float("inf"), -float("inf")):
             assert f"total {norm_type}-norm of the gradients is nan" in got[norm_type], (rank, got)
         assert got["total"] != got["total"], (rank, got)  # NaN, as torch gives one process
+        assert got["named"] != got["named"], (rank, got)  # "inf" is float("inf"), DTensors too
 
 
 def test_clip_grad_norm_takes_torchs_arguments():
@@ -480,6 +489,10 @@ def test_clip_grad_norm_takes_torchs_arguments():
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, 2.0, False, foreach=True)
     got = clip_grad_norm_(ours.parameters(), 0.1, 2.0, False, foreach=True)
     torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="clip_grad_norm_: norm_type must be a number, got 'l2'"):
+        clip_grad_norm_(ours.parameters(), 0.1, "l2")
+    with pytest.raises(TypeError, match="clip_grad_norm_: parameters must be a module, a tensor"):
+        clip_grad_norm_(torch.optim.SGD(ours.parameters()), 0.1)
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
 
@@ -502,7 +515,13 @@ def test_int_reshard_after_forward_must_divide_both_fsdp_groups():
         ):
             check_reshard(n, Mesh(dp, ep), "fully_shard_moe")
     for dp, ep, n in ((2, 2, 2), (4, 2, 2), (2, 1, True), (1, 2, False)):
-        check_reshard(n, Mesh(dp, ep), "fully_shard_moe")
+        assert check_reshard(n, Mesh(dp, ep), "fully_shard_moe") is n
+    assert check_reshard(np.int64(2), Mesh(2, 2), "fully_shard_moe") == 2
+    # Neither a bool nor an int: torch refused it only after the experts were sharded (the
+    # model half converted, a retry refused as "already a DTensor"; a review).
+    for n in ("yes", 0.5, None):
+        with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or an"):
+            check_reshard(n, Mesh(2, 2), "fully_shard_moe")
 
 
 class _ReadsChildWeight(nn.Module):

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import grouped_ep.checkpoint.async_save as background
 from grouped_ep._reshard import reshard_all
-from grouped_ep._validate import check_flag, is_int
+from grouped_ep._validate import check_flag, check_path, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
@@ -142,11 +142,11 @@ def save(
         with `async_save=True` an `AsyncSave` handle whose `result()` waits and returns it.
     """
     background.wait_pending("save")
-    given, root = root, Path(root)  # Path drops a leading './': `./~` names a directory '~'
     error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
     try:
+        check_path(root, "save: root", CheckpointError, CheckpointError)
         check_types(model, optimizer, extra)
-        refuse_tilde(given, "save: root")
+        refuse_tilde(root, "save: root")
         if step is None and extra is not None and extra.get("step") is not None:
             step = as_step(extra["step"], 'extra["step"]')
         elif step is not None:
@@ -169,6 +169,7 @@ def save(
             f"({type(e).__name__}: {e})"
         )
     all_ok(error, "save: checking its arguments")
+    root = Path(root)  # after refuse_tilde: Path drops a leading './' (`./~` names a dir '~')
     # Different ones would run different collectives (an async save's on its own group): a hang.
     same_on_every_rank(
         (async_save, optimizer is not None), "save: async_save and whether an optimizer is given"

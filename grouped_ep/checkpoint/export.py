@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
+from grouped_ep._validate import check_path
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
@@ -102,6 +103,11 @@ def export_hf(
     Returns:
         The index file path on rank 0, None on other ranks.
     """
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(
+            f"export_hf: model must be an nn.Module, got {type(model).__name__} (the arguments "
+            "are export_hf(model, dir))"
+        )
     # torch.compile's and DDP's wrappers: keys with `_orig_mod.` / `module.`, no transformers model
     model = unwrapped_model(model)
     if is_transformers_model(model):
@@ -109,8 +115,7 @@ def export_hf(
     if not any(True for _ in model.state_dict()):
         raise CheckpointError(f"export_hf: {type(model).__name__} has no tensors to export")
     refuse_meta(model, "export_hf")
-    if not os.fspath(dir):
-        raise CheckpointError("export_hf: dir is empty; name the directory to export into")
+    check_path(dir, "export_hf: dir", CheckpointError)
     refuse_tilde(dir, "export_hf: dir")
     limit = parse_size(max_shard_size)
     distributed = dist.is_available() and dist.is_initialized()

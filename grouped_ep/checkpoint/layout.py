@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from grouped_ep._validate import tilde_hint
+from grouped_ep._validate import check_path, tilde_hint
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.inspect import METADATA_FILE
 
@@ -100,6 +100,7 @@ def resolve(path: str | os.PathLike) -> Path:
     Raises CheckpointError when `path` is neither a checkpoint (no `.metadata`) nor a root with a
     `latest` file, or when `latest` names a directory that does not exist, or cannot be read.
     """
+    check_path(path, "checkpoint path", CheckpointError)
     try:
         return _resolve(Path(path))
     except OSError as e:  # a folder without read permission

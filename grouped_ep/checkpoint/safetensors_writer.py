@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
 import struct
@@ -92,12 +93,12 @@ _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 def parse_size(size: int | str) -> int:
     """Bytes in `size`: an int, or a string like "5GB" (10^9) or "500MiB" (2^20)."""
-    if isinstance(size, bool):
+    if isinstance(size, bool) or not isinstance(size, (numbers.Integral, str)):  # 1.5 GB?
         raise ValueError(
             f"export_hf: max_shard_size must be a size like '5GB' or an int, got {size!r}"
         )
-    if isinstance(size, int):
-        n = size
+    if isinstance(size, numbers.Integral):
+        n = int(size)
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
         unit = m.group(2).upper() if m else ""

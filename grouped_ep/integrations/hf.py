@@ -29,12 +29,13 @@ from transformers.modeling_utils import PreTrainedModel
 
 import grouped_ep.ops  # noqa: F401  (DTensor rules and autograd of torch.ops.grouped_ep.gemm)
 from grouped_ep._hf_version import require_transformers
-from grouped_ep._validate import canonical_device, check_can_hold
+from grouped_ep._validate import canonical_device, check_can_hold, check_module
 from grouped_ep.loading.buffers import fresh_buffers
 from grouped_ep.moe.dispatch import routed_experts_forward
 from grouped_ep.moe.layers import GroupedExperts
 from grouped_ep.parallel import (
     check_mesh,
+    check_policy,
     check_reshard,
     check_shardable,
     experts_modules,
@@ -291,6 +292,8 @@ def parallelize(
     ranks. `mesh` comes from `grouped_ep.parallel.make_mesh(dp, ep)`. Works on a meta model.
     Returns `model`.
     """
+    check_module(model, "parallelize")
+    check_policy(mp_policy, "parallelize")
     experts = experts_modules(model)
     if not experts:
         raise ValueError(

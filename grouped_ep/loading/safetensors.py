@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from grouped_ep._validate import is_int, tilde_hint
+from grouped_ep._validate import check_path, is_int, tilde_hint
 from grouped_ep.loading.errors import LoadError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -311,6 +311,7 @@ def open_checkpoint(checkpoint: str | os.PathLike) -> Checkpoint:
     file, or an index file. A directory holding both `model.safetensors` and the index gives
     `model.safetensors`, the file transformers' `from_pretrained` reads there.
     """
+    check_path(checkpoint, "load_sharded: checkpoint", LoadError)
     try:
         return _open_checkpoint(Path(checkpoint))
     except LoadError:

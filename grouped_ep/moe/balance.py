@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from grouped_ep._validate import is_int, real_number
+from grouped_ep._validate import check_module, is_int, real_number
 
 __all__ = ["RouterOutput", "load_balancing_loss", "set_aux_loss_scale", "update_expert_bias"]
 
@@ -107,6 +107,7 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     backward it is for. Data-parallel and EP ranks need nothing: FSDP averages the gradients,
     aux terms included.
     """
+    check_module(model, "set_aux_loss_scale")
     value = real_number(scale)
     if value is None or not value >= 0 or math.isinf(value):  # NaN fails too
         raise ValueError(
@@ -138,6 +139,7 @@ def update_expert_bias(
         of L `[E_l]` tensors where the layers' expert counts differ; None when `model` has no
         balanced layer. The counts are cleared only once the all-reduce succeeded.
     """
+    check_module(model, "update_expert_bias")
     layers = _balanced_layers(model)
     if not layers:
         return None

@@ -69,6 +69,13 @@ class Routing:
                 f"Routing: expert_ids {tuple(expert_ids.shape)} and weights "
                 f"{tuple(weights.shape)} must both be [T, k]"
             )
+        if (
+            expert_ids.is_floating_point()
+            or expert_ids.is_complex()
+            or expert_ids.dtype == torch.bool
+        ):
+            raise TypeError(f"Routing: expert_ids must be integers, got {expert_ids.dtype}")
+        expert_ids = expert_ids.long()  # int32 ids (a hand-made routing) failed in scatter
         # Checked where it costs no host sync (CPU, not under torch.compile, where reading the
         # values would break the graph); on CUDA an id out of range fails in the device's own
         # index check.

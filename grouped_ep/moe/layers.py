@@ -82,6 +82,7 @@ class GroupedExperts(nn.Module):
         check_sizes(
             "GroupedExperts", num_experts=num_experts, hidden=hidden, intermediate=intermediate
         )
+        _check_dtype(dtype, "GroupedExperts")
         self.num_experts = num_experts
         self.hidden = hidden
         self.intermediate = intermediate
@@ -109,6 +110,12 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         ep = "" if self.ep_mesh is None else f", ep={self.ep_mesh.size()}"
         return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}{ep}"
+
+
+def _check_dtype(dtype: object, owner: str) -> None:
+    """A floating torch.dtype or None ("bfloat16" or an int dtype failed inside torch)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{owner}: dtype must be a floating torch.dtype or None, got {dtype!r}")
 
 
 def route(
@@ -213,6 +220,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         check_sizes("MoE", hidden=hidden, intermediate=intermediate, num_experts=num_experts)
+        _check_dtype(dtype, "MoE")
         if not is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
@@ -237,12 +245,13 @@ class MoE(nn.Module):
         # at run time instead of recompiling for each value.
         self._aux_scale = torch.ones((), dtype=torch.float64, device="cpu")
         self.expert_bias_gamma = gamma
-        if dispatcher is not None and not all(
-            callable(getattr(dispatcher, f, None)) for f in ("dispatch", "combine")
+        if dispatcher is not None and (
+            isinstance(dispatcher, type)  # the class, not an instance: failed at the forward
+            or not all(callable(getattr(dispatcher, f, None)) for f in ("dispatch", "combine"))
         ):
             raise TypeError(
-                "MoE: dispatcher must have dispatch(x, routing) and combine(y, handle) methods, "
-                f"got {type(dispatcher).__name__}"
+                "MoE: dispatcher must be an object with dispatch(x, routing) and "
+                f"combine(y, handle) methods, got {dispatcher!r}"
             )
         self.dispatcher = dispatcher
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
@@ -320,6 +329,8 @@ class MoE(nn.Module):
         self, x: Tensor, return_router_outputs: bool = False
     ) -> Tensor | tuple[Tensor, RouterOutput]:
         """x: `[..., H]` -> `[..., H]`, or `(out, RouterOutput)` with `return_router_outputs`."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"MoE: x must be a Tensor [..., H], got {type(x).__name__}")
         shape = x.shape
         hidden = self.router.in_features
         # Under autocast: any dtype autocast casts (it never casts float64).

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
+from grouped_ep._validate import check_module
 from grouped_ep.loading.converted import is_transformers_model
 from grouped_ep.moe.balance import join_reduce_split, stack_if_equal
 from grouped_ep.moe.layers import in_backward
@@ -83,6 +84,7 @@ class ExpertLoadCounter:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        check_module(model, "ExpertLoadCounter")
         if is_transformers_model(
             unwrapped_model(model)
         ):  # before 5.7 no experts class looks like one
