@@ -20,6 +20,14 @@ def _bilinear_tangent(op, first: Tensor, second: Tensor, offs: Tensor, trans_w: 
 _AUTOGRAD_LIB = torch.library.Library("grouped_ep", "IMPL")  # held: its kernels live with it
 
 
+def saved_inputs(ctx) -> tuple[Tensor, Tensor, Tensor]:
+    """The two tensors and offs a backward reads: with their tangents where the forward ran
+    under a forward-AD level (`register_autograd`'s kernel saves them stripped)."""
+    first, second, offs = ctx.saved_tensors
+    duals = getattr(ctx, "duals", None)
+    return (*duals, offs) if duals is not None else (first, second, offs)
+
+
 def register_autograd(name: str, backward, setup_context) -> None:
     """`torch.library.register_autograd`, plus forward-mode AD (`torch.func.jvp`, `jacfwd`,
     `torch.autograd.forward_ad`): torch gives a custom op no forward rule, and its tangents came
@@ -43,6 +51,10 @@ def register_autograd(name: str, backward, setup_context) -> None:
         if t1 is None and t2 is None:
             return reverse(keyset, *args, **kwargs)
         out = reverse(keyset, p1, p2, offs, *rest, **kwargs)
+        if out.grad_fn is not None:  # its ctx: a backward under this level (forward-over-
+            # reverse, a Hessian-vector product) reads the inputs with their tangents, else it
+            # dropped the cross terms, gemm(dy, t_w) in dx (a review: off by 14 in 49)
+            out.grad_fn.duals = (first, second)
         trans_w = rest[0] if rest else False
         tangent = _bilinear_tangent(
             getattr(torch.ops.grouped_ep, name), p1, p2, offs, trans_w, t1, t2

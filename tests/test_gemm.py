@@ -219,6 +219,34 @@ def test_forward_mode_ad_matches_reference(pattern, trans_w):
     assert torch.autograd.gradcheck(wg, (x, dy), **fn_checks)
 
 
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w_KN", "w_NK"])
+def test_forward_over_reverse_matches_reference(trans_w):
+    """A Hessian-vector product by forward-over-reverse: the backward read x and w saved
+    without their tangents and dropped the cross terms (gemm(dy, t_w) in dx), off by 14 in 49
+    with no error (a review)."""
+    x, w, offs = make_case("empty_group", k=4, n=3, dtype=torch.float64, trans_w=trans_w)
+    vx, vw = torch.randn_like(x), torch.randn_like(w)
+    fwd = torch.autograd.forward_ad
+
+    def hvp(fn):
+        with fwd.dual_level():
+            xd, wd = (
+                fwd.make_dual(x.requires_grad_(True), vx),
+                fwd.make_dual(w.requires_grad_(True), vw),
+            )
+            gx, gw = torch.autograd.grad((fn(xd, wd) ** 2).sum(), (xd, wd), create_graph=True)
+            return fwd.unpack_dual(gx).tangent, fwd.unpack_dual(gw).tangent
+
+    got = hvp(lambda a, b: grouped_ep.gemm(a, b, offs, trans_w=trans_w))
+    want = hvp(lambda a, b: gemm_ref(a, b, offs, trans_w))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    fn = lambda a, b: grouped_ep.gemm(a, b, offs, trans_w=trans_w)  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (x, w), check_fwd_over_rev=True)
+    dy = torch.randn(x.shape[0], 3, dtype=torch.float64, requires_grad=True)
+    wg = lambda a, b: grouped_ep.gemm_wgrad(a, b, offs, trans_w=trans_w)  # noqa: E731
+    assert torch.autograd.gradgradcheck(wg, (x, dy), check_fwd_over_rev=True)
+
+
 def test_forward_mode_ad_through_an_moe_layer():
     torch.manual_seed(0)
     moe = MoE(16, 32, 4, 2, dtype=torch.float64)
