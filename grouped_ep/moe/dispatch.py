@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -168,8 +169,19 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -
     kernel for the autograd op ("Could not run '_c10d_functional_autograd::all_to_all_single'
     with arguments from the 'CPU' backend"), the plain one. Not asked while torch.compile
     traces (dynamo breaks the graph on the question): compiled, it is the autograd op."""
-    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+    if torch.is_inference_mode_enabled():
         return funcol.all_to_all_single(x, out_splits, in_splits, group)
+    if forward_ad._current_level >= 0:  # forward-mode AD (torch.func.jvp): the collective has
+        # no forward rule, and the tangent came out of it lost (a review: 97% off, no error).
+        # It is linear: the tangent goes the same way. Every rank sends one, zeros if none.
+        primal, tangent = forward_ad.unpack_dual(x)
+        out = funcol.all_to_all_single_autograd(primal, out_splits, in_splits, group)
+        if tangent is None:
+            tangent = torch.zeros_like(primal)
+        moved = funcol.all_to_all_single_autograd(tangent, out_splits, in_splits, group)
+        return forward_ad.make_dual(out, moved)
     return funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
 
 
