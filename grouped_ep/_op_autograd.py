@@ -28,6 +28,15 @@ def saved_inputs(ctx) -> tuple[Tensor, Tensor, Tensor]:
     return (*duals, offs) if duals is not None else (first, second, offs)
 
 
+def _under_jvp_transform() -> bool:
+    """A torch.func.jvp transform without a forward-AD level: torch.compile tracing it."""
+    try:
+        top = torch._C._functorch.peek_interpreter_stack()
+        return top is not None and top.key() == torch._C._functorch.TransformType.Jvp
+    except AttributeError:  # a torch without these internals
+        return False
+
+
 def register_autograd(name: str, backward, setup_context) -> None:
     """`torch.library.register_autograd`, plus forward-mode AD (`torch.func.jvp`, `jacfwd`,
     `torch.autograd.forward_ad`): torch gives a custom op no forward rule, and its tangents came
@@ -45,6 +54,13 @@ def register_autograd(name: str, backward, setup_context) -> None:
 
     def kernel(keyset, *args, **kwargs):
         if torch.autograd.forward_ad._current_level < 0:  # no dual level: reverse mode only
+            if _under_jvp_transform():
+                raise NotImplementedError(
+                    f"grouped_ep.{name}: torch.func.jvp inside torch.compile is not supported "
+                    "(the tangents are not reachable while it traces; it failed in functorch's "
+                    "_unwrap_for_grad). Call torch.func.jvp eagerly, or compile the function "
+                    "jvp is taken of"
+                )
             return reverse(keyset, *args, **kwargs)
         first, second, offs, *rest = args
         (p1, t1), (p2, t2) = (torch.autograd.forward_ad.unpack_dual(a) for a in (first, second))
