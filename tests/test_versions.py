@@ -258,3 +258,31 @@ def test_the_state_old_saves_made_for_an_unstepped_optimizer_warns(tmp_path: Pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ck.load(tmp_path / "sgd", model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize(
+    "make, warned",
+    [
+        (lambda ps: torch.optim.Adamax(ps, lr=0.1), True),  # exp_inf made as eps: 0.53x
+        (lambda ps: torch.optim.NAdam(ps, lr=0.1), True),  # mu_product made nonzero
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.1), False),  # its update ignores step: 1.00x
+    ],
+    ids=["Adamax", "NAdam", "RMSprop"],
+)
+def test_made_state_warning_is_exact_and_only_where_it_changes_the_update(tmp_path, make, warned):
+    """The warning had looked for step 1 and zeros: silent for Adamax (its made exp_inf is eps;
+    the first update resumed 0.53x) and NAdam, and it warned for RMSprop, whose update the
+    made state does not change (a review). It now runs the class itself on a scratch one."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    model = nn.Linear(4, 3)
+    opt = make(model.parameters())
+    _init_optim_state(opt)  # what torch's get_state_dict did to an unstepped optimizer
+    step = ck.save(tmp_path, model, opt, step=1)
+    manifest = json.loads((step / "grouped_ep.json").read_text())
+    del manifest["tied"]  # a save from before ae712ba
+    (step / "grouped_ep.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ck.load(tmp_path, model, make(model.parameters()))
+    assert any("optimizer.state.clear()" in str(w.message) for w in seen) == warned
