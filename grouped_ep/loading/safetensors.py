@@ -277,7 +277,7 @@ def _read_index(index_path: Path) -> dict[str, str]:
     # on where it resolves: in the Hugging Face cache every file of a snapshot is a symlink to
     # a blob outside the snapshot directory.
     # Each file name once: a real index names its ~16 shards for tens of thousands of keys.
-    for name in set(weight_map.values()):
+    for name in dict.fromkeys(weight_map.values()):  # in index order: the first bad one
         if not name or Path(name).is_absolute() or ".." in Path(name).parts:
             key = next(k for k, v in weight_map.items() if v == name)
             raise LoadError(
