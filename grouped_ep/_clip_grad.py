@@ -25,7 +25,11 @@ def clip_grad_norm_(
 
     The norm of each mesh's gradients is reduced over that mesh, the total is the same on every
     rank, and every gradient is scaled in place by `min(1, max_norm / (total + 1e-6))`, as
-    torch does. Call on every rank (collective). Plain tensors (an unsharded model) work too.
+    torch does. Call on every rank (collective), with gradients on the same parameters on
+    every rank, as FSDP2 leaves them: a rank whose gradient is None where the others have one
+    runs other reductions than they do (one rank then waits for the process group's timeout,
+    another returns a wrong total; torch's own has the same precondition). Plain tensors (an
+    unsharded model) work too.
 
     Args:
         parameters: a module, a tensor, or tensors whose `.grad` are clipped.
