@@ -333,3 +333,15 @@ def test_async_save_group_goes_with_its_default_group(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+
+
+def _async_group_timeout(rank: int, world: int) -> float:
+    from grouped_ep.checkpoint.collective import _timeout, async_group
+
+    return _timeout(async_group()).total_seconds()
+
+
+def test_the_background_save_group_keeps_the_process_group_timeout() -> None:
+    """Its gloo group took torch's 30-minute default whatever init_process_group was given: a
+    rank stuck in an async save held the others 156 s against a 20 s timeout (a review)."""
+    assert run_ranks(_async_group_timeout, 2, timeout=45) == [45.0, 45.0]

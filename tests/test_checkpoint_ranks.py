@@ -52,7 +52,12 @@ def _mixed_modes(rank: int, world: int, root: str) -> list[str]:
     model = _sharded()
     errors = []
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for kwargs in ({"async_save": rank == 0}, {"optimizer": opt if rank == 1 else None}):
+    for kwargs in (
+        {"async_save": rank == 0},
+        {"optimizer": opt if rank == 1 else None},
+        {"step": 5 + rank},  # rank 0's was taken, silently (a review)
+        {"keep_last": 1 if rank == 1 else None},
+    ):
         try:
             handle = ck.save(root, model, **kwargs)
             if hasattr(handle, "result"):
@@ -60,6 +65,14 @@ def _mixed_modes(rank: int, world: int, root: str) -> list[str]:
         except ck.CheckpointError as e:
             errors.append(str(e))
     ck.save(root, model)  # the ranks are still in step
+    ck.save(root, model, opt)
+    # load: these hung until the process group's timeout, then a bare gloo error (a review)
+    for kwargs in ({"optimizer": opt if rank == 0 else None}, {"verify": rank == 0}):
+        try:
+            ck.load(root, model, **kwargs)
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+    ck.load(root, model)  # still in step
     return errors
 
 
@@ -67,10 +80,15 @@ def test_ranks_that_save_in_different_modes_are_refused(tmp_path: Path) -> None:
     """async_save on one rank and not another hung until the process group's timeout (their
     collectives run on different groups); an optimizer on one rank only failed in DCP."""
     for errors in run_ranks(_mixed_modes, 2, str(tmp_path), timeout=120):
-        assert len(errors) == 2, errors
+        assert len(errors) == 6, errors
         assert all("differ between ranks" in e for e in errors), errors
-        assert "rank 0: (True, False); rank 1: (False, False)" in errors[0]
-    assert ck.resolve(tmp_path) == tmp_path / "step-00000000"
+        assert "rank 0: (True, False, None, None); rank 1: (False, False, None, None)" in errors[0]
+        assert "rank 0: (False, False, 5, None); rank 1: (False, False, 6, None)" in errors[2]
+        assert "rank 0: (False, False, None, None); rank 1: (False, False, None, 1)" in errors[3]
+        assert "load: whether an optimizer is given and verify" in errors[4]
+        assert "rank 0: (True, True); rank 1: (False, True)" in errors[4]
+        assert "rank 0: (False, True); rank 1: (False, False)" in errors[5]
+    assert ck.resolve(tmp_path) == tmp_path / "step-00000001"
 
 
 def _different_checkpoints(rank: int, world: int, root: str) -> tuple[str, bool]:

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -142,8 +143,21 @@ def async_group() -> Any:
         return None
     world = dist.group.WORLD
     if _ASYNC_GROUP is None or _ASYNC_GROUP[0] is not world:
-        _ASYNC_GROUP = (world, dist.new_group(backend="gloo"))
+        timeout = _timeout(world)  # the user's: torch gives a new group its 30 min default
+        _ASYNC_GROUP = (world, dist.new_group(backend="gloo", timeout=timeout))
     return _ASYNC_GROUP[1]
+
+
+def _timeout(group: Any) -> Any:
+    """The timeout `group` was made with, or None (torch's default) where it cannot be read.
+    A background save's group took torch's 30 minutes whatever `init_process_group` was given:
+    a stuck rank held the others that long (a review: 156 s against a 20 s timeout)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 (no backend for that device; a torch without these)
+            continue
+    return None
 
 
 def forget_async_group(destroyed: Any, world: Any) -> None:

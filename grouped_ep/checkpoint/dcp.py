@@ -171,8 +171,9 @@ def save(
     all_ok(error, "save: checking its arguments")
     root = Path(root)  # after refuse_tilde: Path drops a leading './' (`./~` names a dir '~')
     # Different ones would run different collectives (an async save's on its own group): a hang.
-    same_on_every_rank(
-        (async_save, optimizer is not None), "save: async_save and whether an optimizer is given"
+    same_on_every_rank(  # and step / keep_last: rank 0's were taken, silently (a review)
+        (async_save, optimizer is not None, step, keep_last),
+        "save: async_save, whether an optimizer is given, step and keep_last",
     )
 
     def prepare() -> tuple[int, str, str]:

@@ -101,13 +101,29 @@ def load(
             untouched. An I/O error during the read itself may leave the model partly loaded;
             its message says so.
     """
-    check_types(model, optimizer, None, "load")
-    check_flag(verify, "load: verify")
+    error = None  # on every rank: one rank's refusal alone left the others in a collective
+    try:
+        check_types(model, optimizer, None, "load")
+        check_flag(verify, "load: verify")
+    except CheckpointError as e:
+        error = e
+    except ValueError as e:
+        error = CheckpointError(str(e))
+    all_ok(error, "load: checking its arguments")
+    # Different ones would run different collectives: a hang until the timeout (a review).
+    same_on_every_rank(
+        (optimizer is not None, verify), "load: whether an optimizer is given and verify"
+    )
     background.wait_pending("load")
     reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
-    check_optimizer_params(model, optimizer, "load")
-    refuse_meta(model)
-    refuse_untied(model)
+    error = None
+    try:
+        check_optimizer_params(model, optimizer, "load")
+        refuse_meta(model)
+        refuse_untied(model)
+    except CheckpointError as e:
+        error = e
+    all_ok(error, "load: checking the model and optimizer")
     fresh = optimizer is not None and not optimizer.state
     try:
         return _load(path, model, optimizer, verify)
