@@ -125,3 +125,20 @@ def test_subpackages_are_attributes_of_the_package():
         "save clip_grad_norm_ MoE",
         "module 'grouped_ep' has no attribute 'no_such_thing'",
     ]
+
+
+def test_the_default_progress_bar_is_drawn_by_local_rank_0_only(monkeypatch):
+    """torchrun gives every local rank its terminal: at 8 ranks a node, 8 bars wrote over each
+    other on one line (a review)."""
+    from grouped_ep.loading import read
+
+    monkeypatch.setattr(read.sys.stderr, "isatty", lambda: True, raising=False)
+    shown = {}
+    for local in ("0", "1", "7"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        shown[local] = read.Progress(10, None).on
+    assert shown == {"0": True, "1": False, "7": False}
+    monkeypatch.delenv("LOCAL_RANK")
+    assert read.Progress(10, None).on  # one process, no process group
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert read.Progress(10, True).on and not read.Progress(10, False).on  # as asked

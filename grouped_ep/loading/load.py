@@ -231,7 +231,8 @@ def load_sharded(
             concatenated on their dim 0, e.g. (gate, up)), or to None for the "auto" rule. A
             mapping entry that names no tensor of the model is an error.
         threads: parallel preads (default: the CPUs available / LOCAL_WORLD_SIZE, 1 to 16).
-        progress: a progress bar on stderr: None shows it on a TTY only.
+        progress: a progress bar on stderr (`\r` updates about once per GiB read): None
+            shows it where stderr is a TTY, on local rank 0 only (`LOCAL_RANK`, else rank 0).
         strict: a parameter or persistent buffer with no checkpoint key is an error naming
             them, before anything is read (the missing-key half of
             `load_state_dict(strict=True)`). False: they are listed in `report.missing` and left

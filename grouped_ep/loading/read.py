@@ -38,10 +38,23 @@ def _file_order(target: Target) -> tuple[int, int]:
     return (int(target.rows[0, 0]), int(target.rows[0, 1]))
 
 
+def _default_progress() -> bool:
+    """On a TTY, on one rank per node: torchrun hands its terminal to every local rank, whose
+    `\r` bars wrote over each other (a review)."""
+    if not sys.stderr.isatty():
+        return False
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        return local.strip() == "0"
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 class Progress:
     def __init__(self, total: int, enabled: bool | None):
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.on = sys.stderr.isatty() if enabled is None else enabled
+        self.on = _default_progress() if enabled is None else enabled
 
     def add(self, n: int) -> None:
         self.done += n
