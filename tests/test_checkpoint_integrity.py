@@ -88,6 +88,34 @@ def test_files_of_another_save_are_refused(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, torch.ones(8, 16))
 
 
+def test_a_job_whose_root_another_job_saved_into_since_is_refused(tmp_path) -> None:
+    """Two jobs into one root whose saves do not overlap (a requeued job beside its first
+    instance): each replaced the other's steps, both reported success, and a resume loaded the
+    other job's weights (a review). A process that saved into a root refuses to save again
+    once another process's step is the latest; a process's first save takes the root over."""
+    ck.save(tmp_path, _model(1.0), step=1)
+    other = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from grouped_ep import checkpoint as ck\n"
+        "m = nn.Linear(16, 8)\n"
+        "torch.nn.init.constant_(m.weight, 2.0)\n"
+        "print(ck.save(sys.argv[1], m, step=2).name)\n"  # its first save there: taken over
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", other, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "step-00000002", run.stderr
+    with pytest.raises(ck.CheckpointError, match=r"another job saved .*step-00000002 after this"):
+        ck.save(tmp_path, _model(1.0), step=2)  # would have replaced the other job's step 2
+    assert ck.resolve(tmp_path).name == "step-00000002"
+    fresh = _model(0.0)
+    ck.load(tmp_path, fresh)
+    assert torch.equal(fresh.weight, torch.full((8, 16), 2.0))  # the other job's, untouched
+    manifest = json.loads((tmp_path / "step-00000002" / "grouped_ep.json").read_text())
+    assert {"run", "host", "pid"} <= manifest["writer"].keys()
+
+
 def test_a_second_writer_into_one_root_is_refused_while_the_first_saves(tmp_path) -> None:
     """Two saves into one root at once (a requeued job whose first instance still runs): the
     second removed the first's step directory under it, and both reported saves that `load`

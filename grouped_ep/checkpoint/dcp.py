@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 import uuid
 import warnings
@@ -47,7 +48,7 @@ from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag, check_path, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
-from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
+from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc, read_manifest
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -70,6 +71,7 @@ from grouped_ep.checkpoint.layout import (
     TMP_PREFIX,
     LatestNotUpdated,
     RootLock,
+    _latest_or_none,
     commit_step,
     latest_name,
     next_step,
@@ -101,6 +103,36 @@ def _remove_partial(tmp: Path, root: Path) -> str:
         return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
     except OSError:
         return ""
+
+
+# ---- one job per root ---------------------------------------------------------------------------
+
+_WRITER = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+_SAVED_INTO: set[str] = set()  # the roots this process saved into
+
+
+def _claim(root: Path) -> None:
+    """Rank 0, under the root's lock: refuse a save by a process that saved into `root` before
+    when the step `latest` names was saved by another process since (a requeued job beside its
+    first instance still running). Their saves rarely overlap, so the lock alone let each
+    replace the other's steps, both reporting success, and a resume loaded the other job's
+    weights (a review). A process's first save into a root takes it over (a run resumed after
+    a crash, a copied root). Every manifest names the process that saved it ("writer")."""
+    key = os.path.realpath(root)
+    name = _latest_or_none(root / LATEST_FILE) if key in _SAVED_INTO else None
+    if name:
+        try:
+            writer = read_manifest(root / name).get("writer")
+        except CheckpointError:
+            writer = None
+        if isinstance(writer, dict) and writer.get("run") != _WRITER["run"]:
+            raise CheckpointError(
+                f"save: another job saved {root / name} after this process last saved into "
+                f"{root} (process {writer.get('pid')} on {writer.get('host')}): two jobs are "
+                "writing one checkpoint root, and each would replace the other's steps. Stop "
+                "one of them, or save elsewhere"
+            )
+    _SAVED_INTO.add(key)
 
 
 # ---- save / load --------------------------------------------------------------------------------
@@ -188,6 +220,7 @@ def save(
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock.acquire(root)  # before anything in the root is read or removed
+            _claim(root)  # a second job, between the first's saves
             restore_swapped_out(root)  # before numbering: it may be the highest step
             s = next_step(root) if step is None else step
             tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
@@ -256,6 +289,7 @@ def save(
             "save_id": save_id,  # in every checksum table too
             "torch": torch.__version__,
             "tied": tied_groups(model),  # keys of one shared tensor: `load` refuses them split
+            "writer": _WRITER,  # the process: a second job into the root is refused (`_claim`)
         }
 
         def commit() -> Path:
