@@ -54,6 +54,7 @@ def _inspect(args: argparse.Namespace) -> int:
     elif crc and args.no_verify:  # presence needs no reading: a listed file that is gone
         info.problems += filter(None, (missing_file(info.path, *e) for e in sorted(listed)))
     print(format_report(info, chunks=not args.summary))
+    print(_saved(manifest, args.dir, info.path))
     if checked and not info.problems:
         print(f"OK: every chunk's bytes match the {name} saved with them")
     elif not crc:
@@ -64,6 +65,33 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"error: checkpoint {info.path} has {len(info.problems)} problem(s)", file=sys.stderr)
         return 1
     return 0
+
+
+def _saved(manifest: dict, given: str, ckpt) -> str:
+    """What the manifest says of the save, and, for a root, its complete steps."""
+    import time
+    from pathlib import Path
+
+    from grouped_ep.checkpoint.layout import complete_steps
+
+    keys = ("step", "world_size", "has_optimizer", "has_extra", "torch")
+    fields = [f"{k}={manifest[k]}" for k in keys if k in manifest]
+    when = manifest.get("saved_at")
+    if isinstance(when, (int, float)):
+        fields.append(f"saved_at={time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}")
+    writer = manifest.get("writer")
+    if isinstance(writer, dict):
+        fields.append(f"by=pid {writer.get('pid')} on {writer.get('host')}")
+    lines = [f"saved: {', '.join(fields) if fields else '(no grouped_ep manifest)'}"]
+    root = Path(given)
+    if root.resolve() != Path(ckpt).resolve():
+        steps = complete_steps(root)
+        names = [
+            p.name + (" (latest)" if p.name == Path(ckpt).name else "")
+            for _, p in sorted(steps.items())
+        ]
+        lines.append(f"steps in {root}: {', '.join(names)}")
+    return "\n".join(lines)
 
 
 def _check(args: argparse.Namespace) -> int:

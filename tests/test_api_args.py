@@ -142,3 +142,30 @@ def test_the_default_progress_bar_is_drawn_by_local_rank_0_only(monkeypatch):
     assert read.Progress(10, None).on  # one process, no process group
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert read.Progress(10, True).on and not read.Progress(10, False).on  # as asked
+
+
+def test_saves_loads_and_exports_are_logged_at_info(tmp_path, caplog):
+    """Nothing went to the log: an operator could not see when a save finished, what keep_last
+    removed, or which step a resume read (a review). INFO records under "grouped_ep", silent
+    unless logging is configured."""
+    import logging
+
+    model = nn.Linear(4, 3)
+    with caplog.at_level(logging.INFO, logger="grouped_ep"):
+        for _ in range(3):
+            save(tmp_path / "ck", model, keep_last=2)
+        load(tmp_path / "ck", model)
+        export_hf(model, tmp_path / "hf")
+        load_sharded(model, tmp_path / "hf")
+    got = [(r.name, r.getMessage()) for r in caplog.records if r.name.startswith("grouped_ep")]
+    assert [n for n, _ in got] == [
+        "grouped_ep.checkpoint.dcp",
+        "grouped_ep.checkpoint.dcp",
+        "grouped_ep.checkpoint.dcp",
+        "grouped_ep.checkpoint.resume",
+        "grouped_ep.checkpoint.export",
+        "grouped_ep.loading.load",
+    ], got
+    assert "save: step 2 committed as" in got[2][1] and "removed step-00000000" in got[2][1]
+    assert "step-00000002 read into the model" in got[3][1]
+    assert "export_hf: 2 tensors" in got[4][1] and "load_sharded: 2 tensors" in got[5][1]

@@ -383,6 +383,9 @@ def test_inspect_command_line(saved: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert "optim.state.experts.exp_avg  float32  [4, 6, 5]" in run.stdout
+    # the manifest's account of the save, and a root's steps (none were shown; a review)
+    assert "saved: step=1, world_size=1, has_optimizer=True, has_extra=True" in run.stdout
+    assert f"steps in {saved.parent}: step-00000001 (latest)" in run.stdout
     (saved / "__0_0.distcp").unlink()
     run = run_group(
         [sys.executable, "-m", "grouped_ep", "inspect", str(saved)], capture=True, timeout=60

@@ -29,6 +29,7 @@ rank, the overlap of the saved chunks with that rank's shard.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -84,6 +85,8 @@ from grouped_ep.checkpoint.save_args import as_step, check_optimizer_params, che
 from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 
 __all__ = ["AsyncSave", "save"]
+
+_log = logging.getLogger(__name__)  # rank 0's commits, at INFO: silent unless configured
 
 SAVE_ID_FILE = ".save_id"  # rank 0 writes the save's id into the step it makes: each rank checks
 
@@ -174,6 +177,7 @@ def save(
         with `async_save=True` an `AsyncSave` handle whose `result()` waits and returns it.
     """
     background.wait_pending("save")
+    started = time.perf_counter()
     error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
     try:
         check_path(root, "save: root", CheckpointError, CheckpointError)
@@ -319,15 +323,26 @@ def save(
                         f"save: committing {tmp} as {final} failed ({e}); the partial step was removed"
                         f"{free}; `latest` still names the previous checkpoint"
                     ) from e
+                removed: list[Path] = []
                 if keep_last is not None:
                     try:
-                        prune(root, keep_last)
+                        removed = prune(root, keep_last)
                     except OSError as e:  # the step is committed: not a failed save
                         warnings.warn(
                             f"save: {final} is committed (`latest` names it), but removing older steps "
                             f"for keep_last={keep_last} failed: {e}",
                             stacklevel=4,  # the caller of save (through on_rank0)
                         )
+                _log.info(
+                    "save: step %d committed as %s in %.1f s%s%s",
+                    step_,
+                    final,
+                    time.perf_counter() - started,
+                    " (async)" if async_save else "",
+                    f"; keep_last={keep_last} removed {', '.join(p.name for p in removed)}"
+                    if removed
+                    else "",
+                )
                 return final
             except (KeyboardInterrupt, SystemExit):  # rank 0 alone: nothing collective to wait for
                 _remove_partial(tmp, root)  # nothing where the rename to `final` happened

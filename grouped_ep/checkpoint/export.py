@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +62,9 @@ from grouped_ep.checkpoint.safetensors_writer import (
 from grouped_ep.loading.converted import conversion_session, is_transformers_model
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+_log = logging.getLogger(__name__)  # rank 0's exports, at INFO: silent unless configured
 
 
 def _pack(keys: list[PlannedTensor], limit: int) -> list[list[PlannedTensor]]:
@@ -103,6 +107,7 @@ def export_hf(
     Returns:
         The index file path on rank 0, None on other ranks.
     """
+    started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise CheckpointError(
             f"export_hf: model must be an nn.Module, got {type(model).__name__} (the arguments "
@@ -229,6 +234,14 @@ def export_hf(
                 os.replace(config, out_dir / config.name)
             staged.rmdir()
         write_text_atomic(index_path, json.dumps(index, indent=2) + "\n")
+        _log.info(
+            "export_hf: %d tensors, %.2f GB in %d files written to %s in %.1f s",
+            len(weight_map),
+            total / 1e9,
+            n_files,
+            out_dir,
+            time.perf_counter() - started,
+        )
         return index_path
 
     result = on_rank0(write_index)

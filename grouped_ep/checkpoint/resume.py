@@ -8,7 +8,9 @@ Every rank reads the checkpoint its own `path` names; they must name the same sa
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,8 @@ from grouped_ep.checkpoint.state import state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
 
 __all__ = ["load"]
+
+_log = logging.getLogger(__name__)  # rank 0's loads, at INFO: silent unless configured
 
 
 def load(
@@ -140,6 +144,7 @@ def _load(
     optimizer: torch.optim.Optimizer | None,
     verify_: bool,
 ) -> dict[str, Any] | None:
+    started = time.perf_counter()
     current = state_dicts(model, optimizer, keep_made_state=True)
     # torch's step of zeros ran (gradients set aside for it) and built no state: it keeps none
     stateless_optimizer = optimizer is not None and not current["optim"]["state"]
@@ -229,6 +234,14 @@ def _load(
                 group.setdefault(key, value)
         warn_made_state(ckpt, manifest, optimizer)
     refresh_buffers(model)
+    if rank() == 0:
+        _log.info(
+            "load: %s read into the model%s in %.1f s (checksums %s)",
+            ckpt,
+            " and optimizer" if optimizer is not None else "",
+            time.perf_counter() - started,
+            "checked" if checked else "not checked",
+        )
     return extra
 
 

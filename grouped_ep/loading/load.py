@@ -17,6 +17,7 @@ Three steps, the first two in Python, with no collective anywhere:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -58,6 +59,9 @@ from grouped_ep.loading.ties import refuse_split_tie
 from grouped_ep.moe.layers import MoE
 
 __all__ = ["load_sharded", "LoadReport", "LoadError"]
+
+
+_log = logging.getLogger(__name__)  # at INFO: silent unless configured
 
 
 @dataclass
@@ -410,6 +414,14 @@ def load_sharded(
     files_read = {f for t in todo for f in t.rows[:, 0].tolist()}
     nread += compared
     seconds = time.perf_counter() - t0
+    _log.info(  # every rank reads its own share
+        "load_sharded: %d tensors, %.3f GB read from %s in %.1f s (%.2f GB/s)",
+        len(todo),
+        nread / 1e9,
+        checkpoint,
+        seconds,
+        nread / seconds / 1e9 if seconds > 0 else 0.0,
+    )
     return LoadReport(
         bytes_read=nread,
         bytes_owned=sum(t.quant.data_bytes if t.quant else t.read_bytes for t in todo),
