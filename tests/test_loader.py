@@ -983,32 +983,18 @@ def test_the_first_bad_file_name_in_index_order_is_named(tmp_path):
     """Which of two bad names the error named followed the string hash seed (a review): runs
     and ranks could name different keys. In a child per seed (the seed is fixed at start)."""
     import json
-    import subprocess
-    import sys
 
     index = {
         "metadata": {},
         "weight_map": {"a.weight": "../evil.safetensors", "b.weight": "/abs.safetensors"},
     }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    code = (
-        "import sys\n"
-        "from grouped_ep.loading.safetensors import open_checkpoint\n"
-        "try:\n"
-        "    open_checkpoint(sys.argv[1])\n"
-        "except Exception as e:\n"
-        "    print(e)\n"
-    )
+    from _child import child_error
+
+    code = "import sys\nfrom grouped_ep.loading.safetensors import open_checkpoint\n"
     for seed in ("3", "4"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(tmp_path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        out = child_error(code + "open_checkpoint(sys.argv[1])\n", str(tmp_path), env=env)
         assert "weight_map['a.weight'] = '../evil.safetensors'" in out, (seed, out)
 
 
