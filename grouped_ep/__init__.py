@@ -34,14 +34,20 @@ __version__ = "0.1.0"
 
 # Imported on first use as attributes (`grouped_ep.checkpoint.save`), as the README writes them:
 # `import grouped_ep` alone stays free of transformers and torch.distributed.checkpoint.
-_SUBMODULES = ("checkpoint", "hf", "integrations", "moe", "nn", "parallel", "selfcheck")
+# `hf` and `integrations` need transformers: they load on first use too, but `dir()` leaves them
+# out (introspection, `help(grouped_ep)`, would import them and patch transformers).
+_SUBMODULES = ("checkpoint", "moe", "nn", "parallel", "selfcheck")
+_NEED_TRANSFORMERS = ("hf", "integrations")
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
+    if name in _SUBMODULES + _NEED_TRANSFORMERS:
         import importlib
 
-        return importlib.import_module(f"grouped_ep.{name}")
+        try:
+            return importlib.import_module(f"grouped_ep.{name}")
+        except ImportError as e:  # hasattr() is False without transformers, not an error
+            raise AttributeError(f"grouped_ep.{name} cannot be imported: {e}") from e
     raise AttributeError(f"module 'grouped_ep' has no attribute {name!r}")
 
 

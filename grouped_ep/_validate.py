@@ -11,7 +11,7 @@ import torch
 def check_flag(value: object, what: str, none_ok: bool = False) -> None:
     """Raise ValueError naming `what` unless `value` is a bool (or None where `none_ok`): a
     string, number or None would be read as true or false by its truthiness, silently."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_" or (none_ok and value is None):
+    if isinstance(value, bool) or is_numpy_bool(value) or (none_ok and value is None):
         return
     expected = "True, False or None" if none_ok else "True or False"
     raise ValueError(f"{what} must be {expected}, got {value!r}")
@@ -42,6 +42,12 @@ def check_path(
             f'{what} is empty ("" would be the working directory: an unset variable?); name '
             "the directory"
         )
+
+
+def is_numpy_bool(value: object) -> bool:
+    """A numpy bool scalar (`np.True_`), by its type: named `bool_` before numpy 2, `bool` since."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
 
 
 def is_int(value: object) -> bool:

@@ -35,7 +35,7 @@ from grouped_ep._mixed_dtypes import check_dtypes, split_dtypes
 from grouped_ep._replaced import noting_gathered, noting_replaced
 from grouped_ep._reshard import reshard_after_gradless_forward
 from grouped_ep._save_pretrained import guard_save_pretrained
-from grouped_ep._validate import check_module, is_int
+from grouped_ep._validate import check_module, is_int, is_numpy_bool
 from grouped_ep.moe import GroupedExperts
 
 __all__ = [
@@ -324,10 +324,14 @@ def check_reshard(reshard_after_forward: bool | int, mesh: DeviceMesh, op: str) 
     only at the experts' fully_shard, the model half converted and a retry refused as "already
     a DTensor"; a review)."""
     n = reshard_after_forward
-    if isinstance(n, bool) or type(n).__name__ == "bool_":
+    if n is None:  # torch's default: the root not resharded, every other unit resharded
+        return None
+    if isinstance(n, bool) or is_numpy_bool(n):
         return bool(n)
     if not isinstance(n, numbers.Integral):
-        raise ValueError(f"{op}: reshard_after_forward must be True, False or an int, got {n!r}")
+        raise ValueError(
+            f"{op}: reshard_after_forward must be True, False, None or an int, got {n!r}"
+        )
     n = int(n)
     dp, ep = mesh.size(0), mesh.size(1)
     if n < 1 or dp % n or (dp * ep) % n:

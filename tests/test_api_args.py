@@ -121,6 +121,21 @@ def test_subpackages_are_attributes_of_the_package():
     ]
 
 
+def test_introspection_works_without_transformers():
+    """With transformers missing, hasattr(grouped_ep, "hf"), help() and inspect.getmembers
+    raised ModuleNotFoundError through the lazy attributes (a review)."""
+    from _child import child_error
+
+    out = child_error(
+        "import sys, inspect\n"
+        "sys.modules['transformers'] = None\n"
+        "import grouped_ep\n"
+        "print(hasattr(grouped_ep, 'hf'), 'hf' in dir(grouped_ep), len(inspect.getmembers(grouped_ep)) > 10)\n"
+        "print(grouped_ep.checkpoint.save.__name__)\n"
+    ).splitlines()
+    assert out == ["False False True", "save"], out
+
+
 def test_the_default_progress_bar_is_drawn_by_local_rank_0_only(monkeypatch):
     """torchrun gives every local rank its terminal: at 8 ranks a node, 8 bars wrote over each
     other on one line (a review)."""

@@ -114,6 +114,27 @@ def test_a_job_whose_root_another_job_saved_into_since_is_refused(tmp_path) -> N
     assert torch.equal(fresh.weight, torch.full((8, 16), 2.0))  # the other job's, untouched
     manifest = json.loads((tmp_path / "step-00000002" / "grouped_ep.json").read_text())
     assert {"run", "host", "pid"} <= manifest["writer"].keys()
+    # Having loaded that step, this process continues it: not a second writer (a review).
+    ck.save(tmp_path, _model(3.0), step=3)
+    assert ck.resolve(tmp_path).name == "step-00000003"
+
+
+def test_a_forked_job_is_a_writer_of_its_own() -> None:
+    """The writer's identity was made at import: jobs forked from one parent shared it, and
+    their manifests named the parent's pid (a review)."""
+    import multiprocessing as mp
+    import os
+
+    from grouped_ep.checkpoint import writer
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: queue.put((dict(writer.WRITER), os.getpid())))
+    child.start()
+    got, pid = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert got["pid"] == pid != writer.WRITER["pid"]
+    assert got["run"] != writer.WRITER["run"]
 
 
 def test_a_second_writer_into_one_root_is_refused_while_the_first_saves(tmp_path) -> None:

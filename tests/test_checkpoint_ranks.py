@@ -73,13 +73,17 @@ def _mixed_modes(rank: int, world: int, root: str) -> list[str]:
         except ck.CheckpointError as e:
             errors.append(str(e))
     ck.load(root, model)  # still in step
-    return errors
+    # extra on rank 0 alone names the step there, as documented (refused for a while: a review)
+    named = ck.save(root, model, extra={"step": 100} if rank == 0 else None).name
+    return errors + [named]
 
 
 def test_ranks_that_save_in_different_modes_are_refused(tmp_path: Path) -> None:
     """async_save on one rank and not another hung until the process group's timeout (their
     collectives run on different groups); an optimizer on one rank only failed in DCP."""
     for errors in run_ranks(_mixed_modes, 2, str(tmp_path), timeout=120):
+        errors, named = errors[:-1], errors[-1]
+        assert named == "step-00000100"
         assert len(errors) == 6, errors
         assert all("differ between ranks" in e for e in errors), errors
         assert "rank 0: (True, False, None, None); rank 1: (False, False, None, None)" in errors[0]
@@ -88,7 +92,7 @@ def test_ranks_that_save_in_different_modes_are_refused(tmp_path: Path) -> None:
         assert "load: whether an optimizer is given and verify" in errors[4]
         assert "rank 0: (True, True); rank 1: (False, True)" in errors[4]
         assert "rank 0: (False, True); rank 1: (False, False)" in errors[5]
-    assert ck.resolve(tmp_path) == tmp_path / "step-00000001"
+    assert ck.resolve(tmp_path) == tmp_path / "step-00000100"
 
 
 def _different_checkpoints(rank: int, world: int, root: str) -> tuple[str, bool]:

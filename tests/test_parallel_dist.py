@@ -519,9 +519,11 @@ def test_int_reshard_after_forward_must_divide_both_fsdp_groups():
     assert check_reshard(np.int64(2), Mesh(2, 2), "fully_shard_moe") == 2
     # Neither a bool nor an int: torch refused it only after the experts were sharded (the
     # model half converted, a retry refused as "already a DTensor"; a review).
-    for n in ("yes", 0.5, None):
-        with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or an"):
+    for n in ("yes", 0.5):
+        with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False, None"):
             check_reshard(n, Mesh(2, 2), "fully_shard_moe")
+    assert check_reshard(None, Mesh(2, 2), "fully_shard_moe") is None  # torch's default
+    assert check_reshard(np.True_, Mesh(2, 2), "fully_shard_moe") is True  # numpy 2's np.bool
 
 
 class _ReadsChildWeight(nn.Module):

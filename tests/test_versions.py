@@ -274,6 +274,7 @@ def test_made_state_warning_is_exact_and_only_where_it_changes_the_update(tmp_pa
     the first update resumed 0.53x) and NAdam, and it warned for RMSprop, whose update the
     made state does not change (a review). It now runs the class itself on a scratch one."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     model = nn.Linear(4, 3)
     opt = make(model.parameters())
@@ -282,7 +283,15 @@ def test_made_state_warning_is_exact_and_only_where_it_changes_the_update(tmp_pa
     manifest = json.loads((step / "grouped_ep.json").read_text())
     del manifest["tied"]  # a save from before ae712ba
     (step / "grouped_ep.json").write_text(json.dumps(manifest))
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        ck.load(tmp_path, model, make(model.parameters()))
+    steps = []  # a user's global step hook: the scratch optimizers' steps must not reach it
+    hook = register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: steps.append(type(opt).__name__)
+    )
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ck.load(tmp_path, model, make(model.parameters()))
+    finally:
+        hook.remove()
     assert any("optimizer.state.clear()" in str(w.message) for w in seen) == warned
+    assert len(steps) == 1, steps  # torch's own lr-0 step that builds the state to read into

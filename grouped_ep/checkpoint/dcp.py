@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import time
 import uuid
 import warnings
@@ -45,11 +44,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import grouped_ep.checkpoint.async_save as background
+import grouped_ep.checkpoint.writer as jobs
 from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag, check_path, is_int
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
-from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc, read_manifest
+from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
 from grouped_ep.checkpoint.collective import (
     all_ok,
     async_group,
@@ -72,7 +72,6 @@ from grouped_ep.checkpoint.layout import (
     TMP_PREFIX,
     LatestNotUpdated,
     RootLock,
-    _latest_or_none,
     commit_step,
     latest_name,
     next_step,
@@ -106,36 +105,6 @@ def _remove_partial(tmp: Path, root: Path) -> str:
         return f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free on {root}"
     except OSError:
         return ""
-
-
-# ---- one job per root ---------------------------------------------------------------------------
-
-_WRITER = {"run": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
-_SAVED_INTO: set[str] = set()  # the roots this process saved into
-
-
-def _claim(root: Path) -> None:
-    """Rank 0, under the root's lock: refuse a save by a process that saved into `root` before
-    when the step `latest` names was saved by another process since (a requeued job beside its
-    first instance still running). Their saves rarely overlap, so the lock alone let each
-    replace the other's steps, both reporting success, and a resume loaded the other job's
-    weights (a review). A process's first save into a root takes it over (a run resumed after
-    a crash, a copied root). Every manifest names the process that saved it ("writer")."""
-    key = os.path.realpath(root)
-    name = _latest_or_none(root / LATEST_FILE) if key in _SAVED_INTO else None
-    if name:
-        try:
-            writer = read_manifest(root / name).get("writer")
-        except CheckpointError:
-            writer = None
-        if isinstance(writer, dict) and writer.get("run") != _WRITER["run"]:
-            raise CheckpointError(
-                f"save: another job saved {root / name} after this process last saved into "
-                f"{root} (process {writer.get('pid')} on {writer.get('host')}): two jobs are "
-                "writing one checkpoint root, and each would replace the other's steps. Stop "
-                "one of them, or save elsewhere"
-            )
-    _SAVED_INTO.add(key)
 
 
 # ---- save / load --------------------------------------------------------------------------------
@@ -178,15 +147,17 @@ def save(
     """
     background.wait_pending("save")
     started = time.perf_counter()
-    error = None  # raised on every rank: `extra` may be rank 0's alone, the others would wait
+    error, given_step = None, None  # raised on every rank: `extra` may be rank 0's alone
     try:
         check_path(root, "save: root", CheckpointError, CheckpointError)
         check_types(model, optimizer, extra)
         refuse_tilde(root, "save: root")
+        given_step = None if step is None else as_step(step, "step")
         if step is None and extra is not None and extra.get("step") is not None:
-            step = as_step(extra["step"], 'extra["step"]')
-        elif step is not None:
-            step = as_step(step, "step")
+            step = as_step(extra["step"], 'extra["step"]')  # rank 0's names it: `extra` may
+            # be rank 0's alone
+        else:
+            step = given_step
         check_flag(async_save, "save: async_save")
         if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
             raise CheckpointError(
@@ -207,8 +178,8 @@ def save(
     all_ok(error, "save: checking its arguments")
     root = Path(root)  # after refuse_tilde: Path drops a leading './' (`./~` names a dir '~')
     # Different ones would run different collectives (an async save's on its own group): a hang.
-    same_on_every_rank(  # and step / keep_last: rank 0's were taken, silently (a review)
-        (async_save, optimizer is not None, step, keep_last),
+    same_on_every_rank(  # and step= / keep_last: rank 0's were taken, silently (a review)
+        (async_save, optimizer is not None, given_step, keep_last),
         "save: async_save, whether an optimizer is given, step and keep_last",
     )
 
@@ -224,7 +195,7 @@ def save(
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock.acquire(root)  # before anything in the root is read or removed
-            _claim(root)  # a second job, between the first's saves
+            jobs.claim(root)  # a second job, between the first's saves
             restore_swapped_out(root)  # before numbering: it may be the highest step
             s = next_step(root) if step is None else step
             tmp = root / f"{TMP_PREFIX}{step_dir_name(s)}"
@@ -293,7 +264,7 @@ def save(
             "save_id": save_id,  # in every checksum table too
             "torch": torch.__version__,
             "tied": tied_groups(model),  # keys of one shared tensor: `load` refuses them split
-            "writer": _WRITER,  # the process: a second job into the root is refused (`_claim`)
+            "writer": jobs.WRITER,  # the process: a second job into the root is refused
         }
 
         def commit() -> Path:
@@ -311,6 +282,7 @@ def save(
                     md_crc = file_crc(tmp / METADATA_FILE)
                     stamp = {"saved_at": time.time(), "metadata_crc32c": md_crc}
                     commit_step(root, tmp, final, manifest | stamp)
+                    jobs.wrote(root, save_id)
                 except LatestNotUpdated as e:  # nothing to remove: the step is complete
                     raise CheckpointError(
                         f"save: {final} is complete and holds this save, but pointing `latest` "

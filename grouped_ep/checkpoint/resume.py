@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import grouped_ep.checkpoint.async_save as background
+import grouped_ep.checkpoint.writer as jobs
 from grouped_ep._reshard import reshard_all
 from grouped_ep._validate import check_flag
 from grouped_ep.checkpoint.checksum import checksum_kind, read_manifest, verify_share
@@ -51,12 +52,12 @@ from grouped_ep.checkpoint.fit import (
     refuse_untied,
     stateless_params,
     take_unsaved_hyperparameters,
-    warn_made_state,
     warn_untracked_ties,
     without,
 )
 from grouped_ep.checkpoint.inspect import describe
 from grouped_ep.checkpoint.layout import resolve
+from grouped_ep.checkpoint.made_state import warn_made_state
 from grouped_ep.checkpoint.save_args import check_optimizer_params, check_types
 from grouped_ep.checkpoint.state import state_dicts
 from grouped_ep.loading.buffers import refresh_buffers
@@ -234,6 +235,7 @@ def _load(
                 group.setdefault(key, value)
         warn_made_state(ckpt, manifest, optimizer)
     refresh_buffers(model)
+    jobs.read(ckpt)  # a save into its root from here continues the step it saw
     if rank() == 0:
         _log.info(
             "load: %s read into the model%s in %.1f s (checksums %s)",
