@@ -72,9 +72,7 @@ def register_autograd(name: str, backward, setup_context) -> None:
             # dropped the cross terms, gemm(dy, t_w) in dx (a review: off by 14 in 49)
             out.grad_fn.duals = (first, second)
         trans_w = rest[0] if rest else False
-        tangent = _bilinear_tangent(
-            getattr(torch.ops.grouped_ep, name), p1, p2, offs, trans_w, t1, t2
-        )
+        tangent = _bilinear_tangent(op, p1, p2, offs, trans_w, t1, t2)
         return torch.autograd.forward_ad.make_dual(out, tangent)
 
     _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)

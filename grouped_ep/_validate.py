@@ -17,13 +17,15 @@ def check_flag(value: object, what: str, none_ok: bool = False) -> None:
     raise ValueError(f"{what} must be {expected}, got {value!r}")
 
 
-def check_module(model: object, caller: str, name: str = "model") -> None:
-    """TypeError naming `caller`'s `name` unless `model` is an nn.Module (swapped arguments, an
-    optimizer passed as the model, gave an AttributeError from deep inside)."""
+def check_module(
+    model: object, caller: str, name: str = "model", error: type[Exception] = TypeError
+) -> None:
+    """`error` (TypeError) naming `caller`'s `name` unless `model` is an nn.Module (swapped
+    arguments, an optimizer passed as the model, gave an AttributeError from deep inside)."""
     from torch import nn
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller}: {name} must be an nn.Module, got {type(model).__name__}")
+        raise error(f"{caller}: {name} must be an nn.Module, got {type(model).__name__}")
 
 
 def check_path(

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from grouped_ep._hf_version import require_transformers
 from grouped_ep._names import unwrapped_model
-from grouped_ep._validate import check_path
+from grouped_ep._validate import check_module, check_path
 from grouped_ep.checkpoint.collective import all_ok, on_rank0
 from grouped_ep.checkpoint.errors import CheckpointError
 from grouped_ep.checkpoint.export_plan import Entry, hf_group_items, hf_items, plan, renumber
@@ -108,11 +108,7 @@ def export_hf(
         The index file path on rank 0, None on other ranks.
     """
     started = time.perf_counter()
-    if not isinstance(model, nn.Module):
-        raise CheckpointError(
-            f"export_hf: model must be an nn.Module, got {type(model).__name__} (the arguments "
-            "are export_hf(model, dir))"
-        )
+    check_module(model, "export_hf", error=CheckpointError)
     # torch.compile's and DDP's wrappers: keys with `_orig_mod.` / `module.`, no transformers model
     model = unwrapped_model(model)
     if is_transformers_model(model):

@@ -9,13 +9,12 @@ import torch
 from torch import nn
 
 from grouped_ep._replaced import built_before_sharding, held_replaced
-from grouped_ep._validate import is_int
+from grouped_ep._validate import check_module, is_int
 from grouped_ep.checkpoint.errors import CheckpointError, listed
 
 
 def check_types(model: object, optimizer: object, extra: object, caller: str = "save") -> None:
-    if not isinstance(model, nn.Module):
-        raise CheckpointError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+    check_module(model, caller, error=CheckpointError)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         hint = ""
         if caller == "save" and isinstance(optimizer, (list, tuple, dict)):
