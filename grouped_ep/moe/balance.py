@@ -69,15 +69,20 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
 class _AddAuxLossGrad(torch.autograd.Function):
     """A copy of `out`; backward also sends `coef` into `aux_loss`, as if `coef * aux_loss` had
     been added to whatever loss is backpropagated through `out`. (A copy, not `out` itself: an
-    input returned as it is becomes a view that autograd forbids changing in place.)"""
+    input returned as it is becomes a view that autograd forbids changing in place.) Its
+    context is set up apart from `forward`, the form torch.func.grad takes."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
+    def forward(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
+        return out.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, aux_loss, coef = inputs
         ctx.save_for_backward(aux_loss)
         # The scale as it is now, kept on ctx: a saved tensor is recomputed in the backward under
         # activation checkpointing, and would read the scale of a later micro-batch (a review).
         ctx.coef = coef.clone()
-        return out.clone()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
