@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _dist import RankError, run_ranks
@@ -82,6 +83,11 @@ def test_keep_last_removes_older_steps_never_latest(tmp_path: Path) -> None:
     assert names == ["latest", "step-00000003", "step-00000004"], names
     with pytest.raises(ck.CheckpointError, match="keep_last"):
         ck.save(tmp_path, model, keep_last=0)
+    # A count as training loops keep one, as step= takes it (refused as "not a positive int").
+    ck.save(tmp_path, model, step=5, keep_last=np.int64(1))
+    ck.save(tmp_path, model, step=6, keep_last=torch.tensor(1))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000006"], names
 
 
 def test_keep_last_after_a_rollback_keeps_the_run_going_on(tmp_path: Path) -> None:

@@ -364,7 +364,7 @@ def test_damaged_small_chunk_names_its_file_and_key(tmp_path: Path, checksums: b
         f.seek(chunk.file_offset)
         f.write(b"\xff" * 64)
     match = (
-        r"checking checksums failed on rank 0: .*__0_0\.distcp: the bytes of 'model\.1\.weight'"
+        r"checking checksums failed: .*__0_0\.distcp: the bytes of 'model\.1\.weight'"
         if checksums
         else r"rank 0: OSError: .*__0_0\.distcp \(model\.1\.weight\)"
     )

@@ -77,6 +77,22 @@ def same_on_every_rank(value: Any, what: str, shown: Any = None) -> None:
         )
 
 
+def same_where_given(value: Any, what: str) -> None:
+    """Raise the same CheckpointError on every rank unless the ranks whose `value` is not None
+    agree on it (a collective when distributed)."""
+    if not distributed():
+        return
+    gathered: list[Any] = [None] * world()
+    dist.all_gather_object(gathered, value)
+    given = {r: v for r, v in enumerate(gathered) if v is not None}
+    if len(set(given.values())) > 1:
+        listed = "; ".join(f"rank {r}: {v}" for r, v in list(given.items())[:4])
+        raise CheckpointError(
+            f"{what} differs between ranks ({listed}{' ...' if len(given) > 4 else ''}); give "
+            "it on rank 0 alone or the same on every rank"
+        )
+
+
 def failures(e: CheckpointException) -> str:
     """Each failed rank's own error in DCP's `CheckpointException` first, then DCP's report
     with the tracebacks."""
@@ -120,7 +136,8 @@ def all_ok(error: Exception | None, what: str) -> None:
     """Raise on every rank if `error` is set on any rank."""
     failed = gather_errors(error)
     if error is not None:
-        raise CheckpointError(f"{what} failed on rank {rank()}: {error}") from error
+        where = f" on rank {rank()}" if distributed() else ""
+        raise CheckpointError(f"{what} failed{where}: {error}") from error
     if failed:
         raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
 

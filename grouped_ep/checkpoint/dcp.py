@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import grouped_ep.checkpoint.async_save as background
 import grouped_ep.checkpoint.writer as jobs
 from grouped_ep._reshard import reshard_all
-from grouped_ep._validate import check_flag, check_path, is_int
+from grouped_ep._validate import check_flag, check_path
 from grouped_ep.checkpoint.async_save import AsyncSave
 from grouped_ep.checkpoint.checksum import FORMAT as CHECKSUMS
 from grouped_ep.checkpoint.checksum import ChecksumWriter, file_crc
@@ -60,6 +60,7 @@ from grouped_ep.checkpoint.collective import (
     on_rank0,
     rank,
     same_on_every_rank,
+    same_where_given,
     world,
 )
 from grouped_ep.checkpoint.errors import CheckpointError
@@ -80,7 +81,12 @@ from grouped_ep.checkpoint.layout import (
     restore_swapped_out,
     step_dir_name,
 )
-from grouped_ep.checkpoint.save_args import as_step, check_optimizer_params, check_types
+from grouped_ep.checkpoint.save_args import (
+    as_keep_last,
+    as_step,
+    check_optimizer_params,
+    check_types,
+)
 from grouped_ep.checkpoint.state import CompactSavePlanner, state_dicts
 
 __all__ = ["AsyncSave", "save"]
@@ -159,10 +165,7 @@ def save(
         else:
             step = given_step
         check_flag(async_save, "save: async_save")
-        if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
-            raise CheckpointError(
-                f"save: keep_last must be a positive int or None, got {keep_last!r}"
-            )
+        keep_last = as_keep_last(keep_last)
         reshard_all(model)  # a unit left gathered gives its full tensors, not its shards
         check_optimizer_params(model, optimizer, "save")
         refuse_meta(model, "save")
@@ -182,6 +185,9 @@ def save(
         (async_save, optimizer is not None, given_step, keep_last),
         "save: async_save, whether an optimizer is given, step and keep_last",
     )
+    # extra["step"] may be rank 0's alone; where several ranks give one, they must agree (rank
+    # 0's named the directory, and each rank resumed with its own; a review).
+    same_where_given(step if given_step is None else None, 'save: extra["step"]')
 
     def prepare() -> tuple[int, str, str]:
         if root.exists() and not root.is_dir():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from grouped_ep._replaced import built_before_sharding, held_replaced
-from grouped_ep._validate import check_module, is_int
+from grouped_ep._validate import check_module
 from grouped_ep.checkpoint.errors import CheckpointError, listed
 
 
@@ -54,20 +54,38 @@ def _refuse_dtensors(obj: object, where: str) -> None:
             _refuse_dtensors(v, f"{where}[{i}]")
 
 
-def as_step(value: object, name: str) -> int:
-    """A step number given as an int, a numpy int or an integer 0-d tensor (as training loops
-    keep it), as an int; anything else a CheckpointError naming `name` (a float or a tensor
-    step silently ignored numbered the checkpoint after the newest one in the root)."""
+def as_int(value: object) -> int | None:
+    """`value` as an int where it is an integer: an int, a numpy int or an integer 0-d tensor
+    (as training loops keep counters); None otherwise (a bool, a float, a string)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = int(value)
-    if not is_int(value) or value < 0:
+        return int(value)
+    return None
+
+
+def as_step(value: object, name: str) -> int:
+    """A step number given as an int, a numpy int or an integer 0-d tensor, as an int; anything
+    else a CheckpointError naming `name` (a float or a tensor step silently ignored numbered the
+    checkpoint after the newest one in the root)."""
+    step = as_int(value)
+    if step is None or step < 0:
         raise CheckpointError(
             f"save: {name} must be a non-negative int (it names the checkpoint), got "
             f"{value!r} of type {type(value).__name__}"
         )
-    return value
+    return step
+
+
+def as_keep_last(value: object) -> int | None:
+    """`keep_last` as an int (or None), taking what `as_step` takes."""
+    count = None if value is None else as_int(value)
+    if value is not None and (count is None or count < 1):
+        raise CheckpointError(
+            f"save: keep_last must be a positive int or None, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    return count
 
 
 def check_optimizer_params(model: nn.Module, optimizer: object, caller: str) -> None:
