@@ -21,14 +21,6 @@ def _bilinear_tangent(op, first: Tensor, second: Tensor, offs: Tensor, trans_w: 
 _AUTOGRAD_LIB = torch.library.Library("grouped_ep", "IMPL")  # held: its kernels live with it
 
 
-def saved_inputs(ctx) -> tuple[Tensor, Tensor, Tensor]:
-    """The two tensors and offs a backward reads: with their tangents where the forward ran
-    under a forward-AD level (`register_autograd`'s kernel saves them stripped)."""
-    first, second, offs = ctx.saved_tensors
-    duals = getattr(ctx, "duals", None)
-    return (*duals, offs) if duals is not None else (first, second, offs)
-
-
 def _top_transform(name: str) -> bool:
     """Whether the innermost torch.func transform running is `name` ("Jvp", "Grad")."""
     try:
@@ -118,11 +110,12 @@ def register_autograd(name: str, backward, setup_context) -> None:
         (p1, t1), (p2, t2) = (torch.autograd.forward_ad.unpack_dual(a) for a in (first, second))
         if t1 is None and t2 is None:
             return reverse_mode(keyset, *args, **kwargs)
-        out = reverse_mode(keyset, p1, p2, offs, *rest, **kwargs)
-        if out.grad_fn is not None:  # its ctx: a backward under this level (forward-over-
-            # reverse, a Hessian-vector product) reads the inputs with their tangents, else it
-            # dropped the cross terms, gemm(dy, t_w) in dx (a review: off by 14 in 49)
-            out.grad_fn.duals = (first, second)
+        # Run on the dual inputs, so that they are saved with their tangents: a backward under
+        # this level (forward-over-reverse, a Hessian-vector product) reads them so, else it
+        # dropped the cross terms, gemm(dy, t_w) in dx (a review: off by 14 in 49). Forward
+        # grad is off in the call: the tangent is made below, torch's Function has no rule.
+        with torch.autograd.forward_ad._set_fwd_grad_enabled(False):
+            out = reverse_mode(keyset, first, second, offs, *rest, **kwargs)
         trans_w = rest[0] if rest else False
         tangent = _bilinear_tangent(op, p1, p2, offs, trans_w, t1, t2)
         return torch.autograd.forward_ad.make_dual(out, tangent)

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from grouped_ep._op_autograd import register_autograd, saved_inputs
+from grouped_ep._op_autograd import register_autograd
 
 _ops = torch.ops.grouped_ep
 
@@ -304,7 +304,7 @@ def _gemm_setup_context(ctx, inputs, output) -> None:
 
 
 def _gemm_backward(ctx, dy: Tensor):
-    x, w, offs = saved_inputs(ctx)
+    x, w, offs = ctx.saved_tensors
     dy = _rows_like(dy, x, "gemm", "dy")
     dx = dw = None
     if ctx.needs_input_grad[0]:
@@ -371,7 +371,7 @@ def _wgrad_setup_context(ctx, inputs, output) -> None:
 def _wgrad_backward(ctx, grad: Tensor):
     # out_g = x_g^T dy_g  ([K, N]):  d x_g = dy_g grad_g^T,  d dy_g = x_g grad_g.
     # out_g = dy_g^T x_g  ([N, K]):  d x_g = dy_g grad_g,    d dy_g = x_g grad_g^T.
-    x, dy, offs = saved_inputs(ctx)
+    x, dy, offs = ctx.saved_tensors
     if isinstance(grad, DTensor):  # the gradient of a weight gradient: this rank's experts
         grad = grad._local_tensor
     dx = ddy = None
