@@ -273,6 +273,18 @@ def _ep_rank(rank: int, world: int, kinds: list[str]):
     with pytest.raises(NotImplementedError, match=r"^parallelize: llama4_text \(Llama4TextExp"):
         parallelize(llama4, mesh)
     assert not any(isinstance(p, DTensor) for p in llama4.parameters())
+    # DBRX stacks its experts its own way ([E*I, H]): named, not "a list of per-expert modules".
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    dbrx = DbrxForCausalLM(
+        DbrxConfig(
+            d_model=32, n_heads=2, n_layers=1, max_seq_len=64, vocab_size=64,
+            attn_config={"kv_n_heads": 1, "rope_theta": 10000.0},
+            ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"DbrxForCausalLM \(dbrx\).*experts \(DbrxExperts\) run"):
+        parallelize(dbrx, mesh)
     # EP-sharded experts on another implementation: loading would work, a forward says why not.
     eager = make_model("mixtral")
     eager.set_experts_implementation("eager")

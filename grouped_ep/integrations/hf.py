@@ -19,6 +19,7 @@ documented extension point), so both of these work:
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -219,6 +220,22 @@ def _check_experts(model: nn.Module) -> None:
 # registered, so experts modules the "grouped_ep" forward cannot run are refused, by family and
 # feature, when the implementation is set or a model is built with it (`from_pretrained(...,
 # experts_implementation="grouped_ep")`).
+def _built_inside_another(model: nn.Module) -> bool:
+    """Whether `model` is a part another model builds in its `__init__` (mistral_large4's
+    Pixtral vision tower, built from its sub-config, which carries the requested
+    implementation): a part without experts is no reason to refuse the whole model, whose own
+    experts are checked when it is finished (`post_init`). transformers refuses "grouped_mm"
+    there, and grouped_ep refused "grouped_ep" the same way (a review)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            outer = frame.f_locals.get("self")
+            if outer is not model and isinstance(outer, PreTrainedModel):
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _after_check(original):
     @functools.wraps(original)
     def check_and_adjust(self, experts_implementation):
@@ -227,7 +244,7 @@ def _after_check(original):
             # as transformers refuses "grouped_mm" for such a class (`_grouped_mm_can_dispatch`):
             # its experts, if any, run their own forward, and "grouped_ep" would be ignored
             can_set = getattr(type(self), "_can_set_experts_implementation", None)
-            if can_set is not None and not can_set():
+            if can_set is not None and not can_set() and not _built_inside_another(self):
                 raise NotImplementedError(
                     f"experts_implementation='grouped_ep': {type(self).__name__} does not "
                     "support setting an experts implementation (no module of its family is on "
@@ -295,18 +312,27 @@ def parallelize(
     check_module(model, "parallelize")
     check_policy(mp_policy, "parallelize")
     experts = experts_modules(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
     if not experts:
+        # LongcatFlash and DBRX stack their experts in their own layout and forward; the
+        # message said "a list of per-expert modules" of them (a review)
+        own = sorted({type(m).__name__ for m in model.modules() if "Experts" in type(m).__name__})
+        kept = (
+            f"its experts ({', '.join(own)}) run their family's own forward, not transformers' "
+            "experts interface"
+            if own
+            else "experts kept as a list of per-expert modules are not supported"
+        )
         raise ValueError(
-            f"parallelize: {type(model).__name__} has no experts module grouped_ep can shard "
-            "(stacked expert weights gate_up_proj / up_proj and down_proj [E, ...] with an int "
-            "num_experts, as transformers v5's experts interface keeps them); experts kept as a "
-            "list of per-expert modules are not supported"
+            f"parallelize: {type(model).__name__} ({model_type}) has no experts module grouped_ep "
+            "can shard (stacked expert weights gate_up_proj / up_proj and down_proj [E, ...] "
+            f"with an int num_experts, as transformers v5's experts interface keeps them); {kept}"
         )
     for module in experts:
         if not isinstance(module, GroupedExperts) and not uses_experts_interface(module):
             raise NotImplementedError(
-                f"parallelize: {getattr(getattr(model, 'config', None), 'model_type', '?')} "
-                f"({type(module).__name__}) runs its own experts forward, not "
+                f"parallelize: {model_type} ({type(module).__name__}) runs its own experts "
+                "forward, not "
                 "transformers' experts interface: it cannot compute on EP-sharded weights "
                 "(grouped_ep's forward is used only through that interface)"
             )
