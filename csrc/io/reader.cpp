@@ -160,18 +160,25 @@ class Files {
   Files(const std::vector<std::string>& paths, const std::vector<int64_t>& expect)
       : paths_(paths) {
     fds_.reserve(paths.size());
-    for (size_t i = 0; i < paths.size(); ++i) {
-      const std::string& path = paths[i];
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      GE_CHECK(fd >= 0, "read_ranges: cannot open ", path, ": ", std::strerror(errno));
-      fds_.push_back(fd);  // closed by the destructor from here on, errors included
-      if (!expect.empty()) check_unchanged(fd, path, &expect[4 * i]);
-      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a larger read-ahead window
+    try {
+      for (size_t i = 0; i < paths.size(); ++i) {
+        const std::string& path = paths[i];
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        const int err = errno;
+        GE_CHECK(fd >= 0, "read_ranges: cannot open ", path, ": ", std::strerror(err),
+                 err == EMFILE ? " (the process's open-file limit, `ulimit -n`)" : "");
+        fds_.push_back(fd);
+        if (!expect.empty()) check_unchanged(fd, path, &expect[4 * i]);
+        ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a larger read-ahead window
+      }
+    } catch (...) {
+      // A constructor that throws runs no destructor: every file opened so far stayed open
+      // (a review: 124 descriptors per failed load, until the process could open nothing).
+      close_all();
+      throw;
     }
   }
-  ~Files() {
-    for (int fd : fds_) ::close(fd);
-  }
+  ~Files() { close_all(); }
   Files(const Files&) = delete;
   Files& operator=(const Files&) = delete;
   int fd(int64_t i) const { return fds_[i]; }
@@ -200,6 +207,11 @@ class Files {
   const std::string& path(int64_t i) const { return paths_[i]; }
 
  private:
+  void close_all() {
+    for (int fd : fds_) ::close(fd);
+    fds_.clear();
+  }
+
   const std::vector<std::string>& paths_;
   std::vector<int> fds_;
 };

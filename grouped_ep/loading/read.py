@@ -79,6 +79,13 @@ def read_ranges(
     one whose header was read (replaced or rewritten since) is refused before it is read."""
     if len(rows) == 0:
         return 0
+    # Only the files these rows read are opened (all of a checkpoint's were, each call: a rank
+    # reading one file of 300 needed 300 descriptors; a review).
+    used, inverse = np.unique(rows[:, 0], return_inverse=True)
+    if len(used) < len(files):
+        rows = rows.copy()
+        rows[:, 0] = inverse
+        files = [files[i] for i in used.tolist()]
     paths = [f.path for f in files]
     expect = [v for f in files for v in f.identity] if all(f.identity for f in files) else None
     try:
