@@ -12,6 +12,7 @@ import pytest
 import torch
 from _dist import run_ranks
 from test_checkpoint_dist import W_SHAPE, OneWeight
+from torch import nn
 
 from grouped_ep import checkpoint as ck
 
@@ -166,6 +167,24 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path: Path, monkeypatc
         ck.save(tmp_path, model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000000"]
     monkeypatch.undo()
+
+
+def test_ctrl_c_during_a_load_is_a_keyboard_interrupt(tmp_path: Path, monkeypatch) -> None:
+    """It came out as a CheckpointError: a resume loop that starts afresh when no checkpoint
+    loads then trained a partly loaded model on (a review: 3 of 8 tensors loaded)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    saved = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ck.save(tmp_path, saved)
+    commit = DefaultLoadPlanner.commit_tensor
+
+    def interrupted_after_one(self, read_item, tensor):
+        commit(self, read_item, tensor)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        ck.load(tmp_path, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
 
 
 def _interrupt_inside_torch_save(self, plan, planner):

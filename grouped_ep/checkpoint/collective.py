@@ -122,6 +122,13 @@ def in_chain(error: BaseException, types) -> BaseException | None:
     return None
 
 
+def interrupt_in(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that `error` is, or that caused it: Ctrl-C inside
+    torch.save's zip writer came back as its RuntimeError ("unexpected pos"), the interrupt only
+    in its `__context__` (a review)."""
+    return in_chain(error, (KeyboardInterrupt, SystemExit))
+
+
 def gather_errors(error: BaseException | None) -> dict[int, str]:
     """rank -> error text for every rank whose `error` is set (a collective when distributed)."""
     text = None if error is None else f"{type(error).__name__}: {error}"

@@ -56,7 +56,7 @@ from grouped_ep.checkpoint.collective import (
     dcp_quiet,
     distributed,
     failures,
-    in_chain,
+    interrupt_in,
     on_rank0,
     rank,
     same_on_every_rank,
@@ -94,13 +94,6 @@ __all__ = ["AsyncSave", "save"]
 _log = logging.getLogger(__name__)  # rank 0's commits, at INFO: silent unless configured
 
 SAVE_ID_FILE = ".save_id"  # rank 0 writes the save's id into the step it makes: each rank checks
-
-
-def _interrupt_in(error: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt or SystemExit that `error` is, or that caused it: Ctrl-C inside
-    torch.save's zip writer came back as its RuntimeError ("unexpected pos"), the interrupt only
-    in its `__context__` (a review)."""
-    return in_chain(error, (KeyboardInterrupt, SystemExit))
 
 
 def _remove_partial(tmp: Path, root: Path) -> str:
@@ -362,7 +355,7 @@ def save(
         except CheckpointException as e:  # raised on every rank when any rank failed
             error = failed(f"save to {tmp} failed", failures(e))
             own = e.failures.get(rank())
-            interrupt = _interrupt_in(own[0]) if own is not None else None
+            interrupt = interrupt_in(own[0]) if own is not None else None
             if interrupt is not None:
                 raise interrupt from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
             raise error from e

@@ -34,6 +34,7 @@ from grouped_ep.checkpoint.collective import (
     dcp_quiet,
     distributed,
     failures,
+    interrupt_in,
     on_rank0,
     rank,
     same_on_every_rank,
@@ -205,10 +206,16 @@ def _load(
             reader = DirectReader(str(ckpt))  # DCP's reader, one copy for large chunks
             dcp.load(current, storage_reader=reader, no_dist=not distributed())
     except CheckpointException as e:
-        raise CheckpointError(
+        error = CheckpointError(
             f"load from {ckpt} failed while reading, after the checkpoint was checked; the model "
             f"and optimizer may be partly loaded: {failures(e)}"
-        ) from e
+        )
+        own = e.failures.get(rank())
+        interrupt = interrupt_in(own[0]) if own is not None else None
+        if interrupt is not None:  # Ctrl-C stays Ctrl-C: a loop that starts afresh when a load
+            # fails trained the partly loaded model on (a review: 3 of 8 tensors loaded)
+            raise interrupt from error
+        raise error from e
     # The tensors were filled in place; this applies the rest (optimizer param groups) and
     # whatever a state-dict conversion did not alias, exactly as plain DCP use does.
     if optimizer is None:
