@@ -351,3 +351,32 @@ def test_the_background_save_group_keeps_the_process_group_timeout() -> None:
     """Its gloo group took torch's 30-minute default whatever init_process_group was given: a
     rank stuck in an async save held the others 156 s against a 20 s timeout (a review)."""
     assert run_ranks(_async_group_timeout, 2, timeout=45) == [45.0, 45.0]
+
+
+def test_async_save_to_a_relative_root_survives_a_chdir(tmp_path: Path, monkeypatch) -> None:
+    """The background write, its cleanup and its lock resolved a relative root against the
+    working directory of the moment: after an os.chdir it failed and said the partial step
+    was removed, which was left where it was (a review)."""
+    import threading
+
+    import grouped_ep.checkpoint.dcp as dcp_module
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    go = threading.Event()
+    write_data = dcp_module.ChecksumWriter.write_data
+
+    def after_the_chdir(self, plan, planner):
+        go.wait(30)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp_module.ChecksumWriter, "write_data", after_the_chdir)
+    handle = ck.save("ckpt", Small(), step=3, async_save=True)
+    os.chdir(tmp_path)
+    go.set()
+    assert handle.result() == tmp_path / "run" / "ckpt" / "step-00000003"
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == [
+        "latest",
+        "step-00000003",
+    ]
+    assert not (tmp_path / "ckpt").exists()

@@ -14,6 +14,7 @@ from _dist import run_ranks
 from safetensors import safe_open
 from test_checkpoint_dist import _check_export, tiny_qwen3_moe
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from grouped_ep import checkpoint as ck
 
@@ -383,6 +384,38 @@ def test_ctrl_c_during_an_export_leaves_no_temporary_file(tmp_path: Path, monkey
     with pytest.raises(KeyboardInterrupt):
         ck.export_hf(model, out, max_shard_size="10KB")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _export_interrupted_on_rank_1(rank: int, world: int, out: str) -> str:
+    from unittest import mock
+
+    from grouped_ep.checkpoint import safetensors_writer
+
+    write = safetensors_writer.StreamingSafetensorsWriter.write
+
+    def interrupted(self, key, tensor):
+        if rank == 1:
+            raise KeyboardInterrupt
+        return write(self, key, tensor)
+
+    with mock.patch.object(safetensors_writer.StreamingSafetensorsWriter, "write", interrupted):
+        try:
+            ck.export_hf(DistributedDataParallel(tiny_qwen3_moe(seed=0)), out)
+        except KeyboardInterrupt:
+            return "KeyboardInterrupt"
+        except ck.CheckpointError as e:
+            return str(e)
+    return "exported"
+
+
+def test_ctrl_c_on_one_rank_of_an_export_reaches_every_rank(tmp_path: Path) -> None:
+    """Rank 0 got gloo's "Connection closed by peer" (not a CheckpointError) and kept its
+    temporary files (a review). Now the interrupt is sent through the collective check."""
+    out = tmp_path / "hf"
+    got = run_ranks(_export_interrupted_on_rank_1, 2, str(out), timeout=120)
+    assert got[1] == "KeyboardInterrupt", got
+    assert "KeyboardInterrupt on rank 1 (interrupted)" in got[0], got
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_export_walks_the_model_a_number_of_times_linear_in_its_layers(tmp_path, monkeypatch):

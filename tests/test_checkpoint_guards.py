@@ -430,7 +430,7 @@ def test_malformed_checksum_file_is_a_checkpoint_error(tmp_path: Path, table) ->
     model = nn.Linear(8, 4)
     step = ck.save(tmp_path, model, step=1)
     (step / "__0_crc32c.json").write_text(json.dumps(table))
-    with pytest.raises(ck.CheckpointError, match=r"checking checksums failed .*__0_crc32c\.json"):
+    with pytest.raises(ck.CheckpointError, match=r"checking checksums failed.*__0_crc32c\.json"):
         ck.load(tmp_path, nn.Linear(8, 4))
 
 
@@ -689,3 +689,31 @@ def test_another_optimizer_class_is_named_as_the_misfit(tmp_path: Path) -> None:
     # Two optimizers (Muon's 2-D weights beside AdamW's experts): one root each
     with pytest.raises(ck.CheckpointError, match=r"one optimizer per checkpoint.*root of its own"):
         ck.save(tmp_path, model, [opt, sgd], step=2)
+
+
+def test_a_root_name_too_long_or_a_full_disk_while_preparing_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Path.exists raises ENAMETOOLONG: save and export_hf raised a bare OSError. A disk that
+    fills while the step directory is made left an empty `.tmp-step-N` (a review)."""
+    import errno
+
+    model = nn.Linear(2, 2)
+    long = tmp_path / ("x" * 300)
+    with pytest.raises(ck.CheckpointError, match="save: cannot prepare checkpoint root .*too long"):
+        ck.save(long, model)
+    with pytest.raises(ck.CheckpointError, match="export_hf: cannot create .*too long"):
+        ck.export_hf(model, long)
+    ck.save(tmp_path / "root", model, step=0)
+    write_text = Path.write_text
+
+    def full(self: Path, *args, **kwargs):
+        if self.name == ".save_id":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(ck.CheckpointError, match=r"No space left .* MiB free .*`latest` is unch"):
+        ck.save(tmp_path / "root", model, step=1)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["latest", "step-00000000"]

@@ -172,7 +172,10 @@ def save(
             f"({type(e).__name__}: {e})"
         )
     all_ok(error, "save: checking its arguments")
-    root = Path(root)  # after refuse_tilde: Path drops a leading './' (`./~` names a dir '~')
+    # After refuse_tilde: Path drops a leading './' (`./~` names a dir '~'). Absolute: an async
+    # save's background write, its cleanup and its lock went to the wrong place after an
+    # os.chdir, and its error said the partial step was removed (a review).
+    root = Path(root).absolute()
     # Different ones would run different collectives (an async save's on its own group): a hang.
     same_on_every_rank(  # and step= / keep_last: rank 0's were taken, silently (a review)
         (async_save, optimizer is not None, given_step, keep_last),
@@ -183,14 +186,20 @@ def save(
     same_where_given(step if given_step is None else None, 'save: extra["step"]')
 
     def prepare() -> tuple[int, str, str]:
-        if root.exists() and not root.is_dir():
+        try:  # Path.exists raises ENAMETOOLONG and EACCES (a bare OSError; a review)
+            exists, is_dir = root.exists(), root.is_dir()
+            is_checkpoint = (root / METADATA_FILE).is_file()
+        except OSError as e:
+            raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
+        if exists and not is_dir:
             raise CheckpointError(f"save: checkpoint root {root} exists and is not a directory")
-        if (root / METADATA_FILE).is_file():
+        if is_checkpoint:
             raise CheckpointError(
                 f"save: {root} is itself a checkpoint (it holds {METADATA_FILE}); save into a "
                 f"checkpoint root instead (a directory of step-N checkpoints and `latest`, such "
                 f"as {root.parent}), or a load of {root} would keep reading the old one"
             )
+        tmp = None
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock.acquire(root)  # before anything in the root is read or removed
@@ -207,8 +216,12 @@ def save(
                 old.unlink(missing_ok=True)
             tmp.mkdir()
             (tmp / SAVE_ID_FILE).write_text(save_id)
-        except OSError as e:
-            raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
+        except OSError as e:  # a full disk: the step made empty goes, as a failed save's does
+            free = _remove_partial(tmp, root) if tmp is not None and tmp.exists() else ""
+            raise CheckpointError(
+                f"save: cannot prepare checkpoint root {root} ({e}){free}; `latest` is "
+                "unchanged"
+            ) from e
         return s, tmp.name, save_id
 
     save_id = uuid.uuid4().hex

@@ -126,7 +126,11 @@ def export_hf(
     index_path = out_dir / INDEX_FILE
 
     def prepare() -> None:
-        if out_dir.exists() and not out_dir.is_dir():
+        try:  # Path.exists raises ENAMETOOLONG and EACCES (a bare OSError; a review)
+            not_dir = out_dir.exists() and not out_dir.is_dir()
+        except OSError as e:
+            raise CheckpointError(f"export_hf: cannot create {out_dir} ({e})") from e
+        if not_dir:
             raise CheckpointError(f"export_hf: {out_dir} exists and is not a directory")
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,18 +181,21 @@ def export_hf(
             shutil.rmtree(staged, ignore_errors=True)
 
         def step(what: str, work) -> None:  # on every rank; a failure anywhere: .tmp- files go
-            error = None
+            error, interrupt = None, None
             try:
                 work()
             except Exception as e:
                 error = e
-            except BaseException:  # Ctrl-C: this rank's files go, and it stops here
-                remove_tmp()
-                raise
+            except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C: the other ranks hear of it
+                # (they got gloo's "Connection closed by peer" and kept their files; a review)
+                interrupt = e
+                error = CheckpointError(f"{type(e).__name__} on rank {rank} (interrupted)")
             try:
                 all_ok(error, f"export_hf: {what}")
-            except CheckpointError:
+            except Exception:  # ours, or the collective's own when a rank died
                 remove_tmp()
+                if interrupt is not None:
+                    raise interrupt from None
                 raise
 
         def write() -> None:
