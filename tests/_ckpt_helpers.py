@@ -122,3 +122,16 @@ def rewrite_metadata(step: str | Path, meta) -> None:
     manifest = json.loads((step / "grouped_ep.json").read_text())
     manifest["metadata_crc32c"] = file_crc(step / ".metadata")
     (step / "grouped_ep.json").write_text(json.dumps(manifest))
+
+
+def interrupt_outcome(call, done: str) -> str:
+    """What a rank saw of `call`: "KeyboardInterrupt", a CheckpointError's text, or `done`."""
+    from grouped_ep.checkpoint import CheckpointError
+
+    try:
+        call()
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    except CheckpointError as e:
+        return str(e)
+    return done

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_helpers import interrupt_outcome
 from _dist import run_ranks
 from safetensors import safe_open
 from test_checkpoint_dist import _check_export, tiny_qwen3_moe
@@ -399,13 +400,8 @@ def _export_interrupted_on_rank_1(rank: int, world: int, out: str) -> str:
         return write(self, key, tensor)
 
     with mock.patch.object(safetensors_writer.StreamingSafetensorsWriter, "write", interrupted):
-        try:
-            ck.export_hf(DistributedDataParallel(tiny_qwen3_moe(seed=0)), out)
-        except KeyboardInterrupt:
-            return "KeyboardInterrupt"
-        except ck.CheckpointError as e:
-            return str(e)
-    return "exported"
+        model = DistributedDataParallel(tiny_qwen3_moe(seed=0))
+        return interrupt_outcome(lambda: ck.export_hf(model, out), "exported")
 
 
 def test_ctrl_c_on_one_rank_of_an_export_reaches_every_rank(tmp_path: Path) -> None:

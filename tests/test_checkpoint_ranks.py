@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_helpers import interrupt_outcome
 from _dist import run_ranks
 from test_checkpoint_dist import W_SHAPE, OneWeight
 from torch import nn
@@ -257,13 +258,7 @@ def _interrupted_commit_rank(rank: int, world: int, root: str) -> str:
         raise KeyboardInterrupt
 
     with mock.patch.object(dcp_module, "describe", interrupted):  # rank 0's commit
-        try:
-            ck.save(root, model)
-        except KeyboardInterrupt:
-            return "KeyboardInterrupt"
-        except ck.CheckpointError as e:
-            return str(e)
-    return "saved"
+        return interrupt_outcome(lambda: ck.save(root, model), "saved")
 
 
 def test_ctrl_c_while_rank_0_commits_reaches_every_rank(tmp_path: Path) -> None:
