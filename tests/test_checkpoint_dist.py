@@ -422,10 +422,11 @@ def _bad_step_on_rank0_only(rank: int, world_size: int, root: str) -> list[str]:
             )
         except ck.CheckpointError as e:
             errors.append(str(e))
-    try:  # each rank its own extra["step"]: rank 0's named the directory, each resumed its own
-        ck.save(root, model, extra={"step": 10 + rank})
-    except ck.CheckpointError as e:
-        errors.append(str(e))
+    for extra in ({"step": 10 + rank}, {"step": 10} if rank == 1 else None):
+        try:  # rank 0's (or the next number) named the directory, each resumed with its own
+            ck.save(root, model, extra=extra)
+        except ck.CheckpointError as e:
+            errors.append(str(e))
     ck.save(root, model, extra={"step": 4})  # the ranks are still in step: a good save works
     return errors
 
@@ -435,11 +436,12 @@ def test_bad_step_on_rank_0_only_raises_on_every_rank(tmp_path) -> None:
     first collective: the other ranks waited in it until the process group's timeout."""
     results = run_ranks(_bad_step_on_rank0_only, 2, str(tmp_path), timeout=120)
     for errors in results:
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert "failed on rank(s) [0]" in errors[0] or "failed on rank 0" in errors[0]
         assert 'extra["step"]' in errors[0] and 'extra["step"]' in errors[1]
         assert "keep_last" in errors[2]
         assert 'save: extra["step"] differs between ranks (rank 0: 10; rank 1: 11)' in errors[3]
+        assert 'save: extra["step"] is given on rank(s) [1] but not on rank 0' in errors[4]
     assert ck.resolve(tmp_path) == tmp_path / "step-00000004"
     assert not (tmp_path / "step-00000010").exists()
 

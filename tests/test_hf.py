@@ -230,7 +230,7 @@ def test_families_off_the_experts_interface_are_refused(tmp_path):
     """Llama4's experts have the stacked shape but their own forward: "grouped_ep" was accepted
     and ignored (transformers refuses its own "grouped_mm" there), and ExpertLoadCounter
     attached a hook that raised at every forward. Now each refuses, naming the class."""
-    from transformers import Llama4ForCausalLM
+    from transformers import Llama4ForCausalLM, PretrainedConfig, PreTrainedModel
 
     from grouped_ep.moe import ExpertLoadCounter
 
@@ -240,6 +240,19 @@ def test_families_off_the_experts_interface_are_refused(tmp_path):
         Llama4ForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_ep")
     with pytest.raises(NotImplementedError, match="Llama4ForCausalLM does not support setting"):
         model.set_experts_implementation("grouped_ep")
+
+    class Wrapper(PreTrainedModel):  # a user's value-head wrapper loading it in __init__
+        config_class = PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.backbone = Llama4ForCausalLM.from_pretrained(
+                tmp_path, experts_implementation="grouped_ep"
+            )
+
+    # It was accepted there (as a composite's part built from a sub-config is) and ignored.
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM does not support setting"):
+        Wrapper(PretrainedConfig())
     with pytest.raises(ValueError, match=r"their family's own forward.*Llama4TextExperts"):
         ExpertLoadCounter(model)
     assert model(torch.randint(0, 64, (1, 6))).logits.shape == (1, 6, 64)  # still runs

@@ -459,3 +459,48 @@ def test_peek_load_counts_is_a_copy():
     kept.zero_()
     assert int(moe.peek_load_counts().sum()) == 20
     assert int(moe.take_load_counts().sum()) == 20 and int(moe.peek_load_counts().sum()) == 0
+
+
+def test_second_derivatives_and_jvp_with_the_aux_loss():
+    """The aux-loss gradient went in on every pass over the graph: a Hessian-vector product
+    (double backward, or torch.func's nested transforms) was off by `coef * d aux`, and two
+    backward(retain_graph=True) calls sent it twice; torch.func.hessian and jvp failed (no vmap
+    or jvp rule). Against `loss + coef * aux` written out (a review)."""
+    torch.manual_seed(0)
+    coef = 0.01
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    moe = MoE(16, 32, 4, 2, dtype=torch.float64, aux_loss_coef=coef)
+    plain = copy.deepcopy(moe)
+    plain.aux_loss_coef = 0.0
+    params = {k: v.detach() for k, v in moe.named_parameters()}
+    w = params["router.weight"]
+
+    def ours(r):
+        return (torch.func.functional_call(moe, {**params, "router.weight": r}, (x,)) ** 2).sum()
+
+    def written_out(r):
+        kwargs = {"return_router_outputs": True}
+        out, ro = torch.func.functional_call(plain, {**params, "router.weight": r}, (x,), kwargs)
+        probs = torch.softmax(x.reshape(-1, 16) @ r.T, -1)
+        return (out**2).sum() + coef * load_balancing_loss(probs, ro.tokens_per_expert, 2)
+
+    close = dict(rtol=1e-9, atol=1e-12)
+    want = torch.func.hessian(written_out)(w)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(torch.func.hessian(ours)(w), want, **close)
+    torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(ours))(w), want, **close)
+    v = torch.randn_like(w)
+    r = w.clone().requires_grad_()
+    (g,) = torch.autograd.grad(ours(r), r, create_graph=True)
+    (hvp,) = torch.autograd.grad((g * v).sum(), r)
+    torch.testing.assert_close(hvp, (want.reshape(64, 64) @ v.reshape(-1)).reshape(4, 16), **close)
+    torch.testing.assert_close(torch.func.jvp(ours, (w,), (v,))[1], torch.func.jvp(
+        lambda r: (torch.func.functional_call(plain, {**params, "router.weight": r}, (x,)) ** 2).sum(),
+        (w,), (v,))[1], **close)  # fmt: skip
+    # Two heads backpropagated one after the other: the aux term once, as for their sum.
+    twice, once = copy.deepcopy(moe), copy.deepcopy(moe)
+    out = twice(x)
+    (out[0] ** 2).sum().backward(retain_graph=True)
+    (out[1] ** 2).sum().backward()
+    (once(x) ** 2).sum().backward()
+    torch.testing.assert_close(twice.router.weight.grad, once.router.weight.grad, **close)

@@ -79,12 +79,18 @@ def same_on_every_rank(value: Any, what: str, shown: Any = None) -> None:
 
 def same_where_given(value: Any, what: str) -> None:
     """Raise the same CheckpointError on every rank unless the ranks whose `value` is not None
-    agree on it (a collective when distributed)."""
+    agree on it, rank 0 among them if any gives one (it decides; a collective when
+    distributed)."""
     if not distributed():
         return
     gathered: list[Any] = [None] * world()
     dist.all_gather_object(gathered, value)
     given = {r: v for r, v in enumerate(gathered) if v is not None}
+    if given and gathered[0] is None:
+        raise CheckpointError(
+            f"{what} is given on rank(s) {sorted(given)[:4]} but not on rank 0, whose names the "
+            "checkpoint; give it on rank 0 alone or the same on every rank"
+        )
     if len(set(given.values())) > 1:
         listed = "; ".join(f"rank {r}: {v}" for r, v in list(given.items())[:4])
         raise CheckpointError(

@@ -221,17 +221,22 @@ def _check_experts(model: nn.Module) -> None:
 # feature, when the implementation is set or a model is built with it (`from_pretrained(...,
 # experts_implementation="grouped_ep")`).
 def _built_inside_another(model: nn.Module) -> bool:
-    """Whether `model` is a part another model builds in its `__init__` (mistral_large4's
-    Pixtral vision tower, built from its sub-config, which carries the requested
+    """Whether `model` is a part another model builds from its own config in its `__init__`
+    (mistral_large4's Pixtral vision tower, built from a sub-config that carries the requested
     implementation): a part without experts is no reason to refuse the whole model, whose own
     experts are checked when it is finished (`post_init`). transformers refuses "grouped_mm"
-    there, and grouped_ep refused "grouped_ep" the same way (a review)."""
+    there, and grouped_ep refused "grouped_ep" the same way (a review). A model a user's
+    wrapper loads in its `__init__` is not such a part: its config is no sub-config of the
+    wrapper's."""
+    config = getattr(model, "config", None)
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__":
             outer = frame.f_locals.get("self")
             if outer is not model and isinstance(outer, PreTrainedModel):
-                return True
+                outer_config = getattr(outer, "config", None)
+                subs = vars(outer_config).values() if outer_config is not None else ()
+                return config is not None and any(sub is config for sub in subs)
         frame = frame.f_back
     return False
 

@@ -66,11 +66,17 @@ def load_balancing_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) ->
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
+def _seed(aux_loss: Tensor, coef: Tensor) -> Tensor:
+    # In place on a fresh tensor: aux_loss's dtype and device, and the CPU coef read as a scalar
+    # (coef.to(device) would be a blocking host-to-device copy in every backward).
+    return torch.ones_like(aux_loss).mul_(coef)
+
+
 class _AddAuxLossGrad(torch.autograd.Function):
     """A copy of `out`; backward also sends `coef` into `aux_loss`, as if `coef * aux_loss` had
     been added to whatever loss is backpropagated through `out`. (A copy, not `out` itself: an
-    input returned as it is becomes a view that autograd forbids changing in place.) Its
-    context is set up apart from `forward`, the form torch.func.grad takes."""
+    input returned as it is becomes a view that autograd forbids changing in place.) The form
+    torch.compile traces (dynamo refuses a Function with a `jvp`); eager calls take `_Once`."""
 
     @staticmethod
     def forward(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
@@ -78,25 +84,64 @@ class _AddAuxLossGrad(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        _, aux_loss, coef = inputs
-        ctx.save_for_backward(aux_loss)
+        ctx.save_for_backward(inputs[1])
         # The scale as it is now, kept on ctx: a saved tensor is recomputed in the backward under
         # activation checkpointing, and would read the scale of a later micro-batch (a review).
-        ctx.coef = coef.clone()
+        ctx.coef = inputs[2].clone()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        coef = ctx.coef
-        # In place on a fresh tensor: aux_loss's dtype and device, and the CPU coef read as a
-        # scalar (coef.to(device) would be a blocking host-to-device copy in every backward).
-        return grad_out, torch.ones_like(aux_loss).mul_(coef), None
+        return grad_out, _seed(ctx.saved_tensors[0], ctx.coef), None
+
+
+class _Sent:
+    """Whether a call's aux-loss gradient went out (not a list: torch.func rebuilds containers
+    per level, and each level then sent it)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+class _Once(torch.autograd.Function):
+    """`_AddAuxLossGrad`, eagerly: the coefficient goes in once per forward (`_Sent`, shared by
+    every level torch.func records the call at). A second pass over the graph (the second
+    backward of a Hessian-vector product, a transform's outer level, a second
+    `backward(retain_graph=True)`) differentiates a gradient, not the loss, and sent it again:
+    second derivatives were off by `coef * d aux` (a review). With forward-mode and vmap rules
+    (torch.func.jvp, hessian): the value is `out`'s; the aux term is only a gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(out: Tensor, aux_loss: Tensor, coef: Tensor, sent: _Sent) -> Tensor:
+        return out.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _AddAuxLossGrad.setup_context(ctx, inputs, output)
+        ctx.sent = inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if ctx.sent.sent:
+            return grad_out, None, None, None
+        ctx.sent.sent = True
+        return grad_out, _seed(ctx.saved_tensors[0], ctx.coef), None, None
+
+    @staticmethod
+    def jvp(ctx, t_out, t_aux, t_coef, t_sent):
+        return t_out.clone()
 
 
 def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
-    """`out`'s values, whose backward also backpropagates `coef * aux_loss`. `coef` is a 0-d
-    tensor: torch.compile then does not specialize on its value (a recompile per loss scale)."""
-    return _AddAuxLossGrad.apply(out, aux_loss, coef)
+    """`out`'s values, whose backward also backpropagates `coef * aux_loss` (once per call,
+    eagerly). `coef` is a 0-d tensor: torch.compile then does not specialize on its value (a
+    recompile per loss scale)."""
+    if torch.compiler.is_compiling():
+        return _AddAuxLossGrad.apply(out, aux_loss, coef)
+    return _Once.apply(out, aux_loss, coef, _Sent())
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
