@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,29 @@ def test_buffer_that_cannot_be_recomputed_is_kept_with_a_warning(tmp_path: Path)
     with pytest.warns(UserWarning, match=r"to_empty, they hold garbage: scale"):
         ck.load(tmp_path, model)
     assert torch.equal(model.scale, torch.full((3,), 5.0))
+
+
+class _RandomProjection(nn.Module):
+    def __init__(self, size: int = 4):
+        super().__init__()
+        self.size = size
+        self.w = nn.Parameter(torch.ones(size))
+        self.register_buffer("proj", torch.randn(size, size), persistent=False)
+
+
+def test_a_random_nonpersistent_buffer_is_kept_with_a_warning(tmp_path: Path) -> None:
+    """A fixed random projection kept out of the checkpoint (the seeded build makes it): load
+    drew it anew from the RNG of the moment, changed by up to 3.9, and the resumed run trained
+    another model (a review). Deterministic ones (rotary inv_freq) are still recomputed."""
+    torch.manual_seed(0)
+    saved = _RandomProjection()
+    ck.save(tmp_path, saved, step=0)
+    torch.manual_seed(0)
+    model = _RandomProjection()
+    torch.randn(100)  # the RNG has moved on since the build
+    with pytest.warns(UserWarning, match=r"have a random initialization and keep .*: proj"):
+        ck.load(tmp_path, model)
+    assert torch.equal(model.proj, saved.proj)
 
 
 def _two_layers(groups: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -717,3 +741,23 @@ def test_a_root_name_too_long_or_a_full_disk_while_preparing_is_a_checkpoint_err
         ck.save(tmp_path / "root", model, step=1)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["latest", "step-00000000"]
+
+
+def test_extra_of_another_world_size_warns(tmp_path: Path) -> None:
+    """Each rank's own `extra` (RNG states, data position), read at another world size: the
+    ranks the saving run did not have got rank 0's, and the state of ranks now gone was
+    dropped, silently (a review: ranks 0, 2 and 3 drew the same dropout masks)."""
+    from grouped_ep.checkpoint.extra import extra_name, read_extra
+
+    for r in range(2):
+        torch.save({"rank": r}, tmp_path / extra_name(r))
+    manifest = {"world_size": 2}
+    with pytest.warns(UserWarning, match=r"rank 3 gets rank 0's extra state: .* saved by 2 ranks"):
+        assert read_extra(tmp_path, 3, manifest, False, world=4) == {"rank": 0}
+    with pytest.warns(UserWarning, match=r"extra state of ranks 1\.\.1 of the saving run is not"):
+        assert read_extra(tmp_path, 0, manifest, False, world=1) == {"rank": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same world size, or extra on rank 0 alone: quiet
+        assert read_extra(tmp_path, 1, manifest, False, world=2) == {"rank": 1}
+        (tmp_path / extra_name(1)).unlink()
+        assert read_extra(tmp_path, 3, manifest, False, world=4) == {"rank": 0}

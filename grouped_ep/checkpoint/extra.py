@@ -5,6 +5,7 @@ rank's checksum table (checksum.py)."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,31 @@ def write_extra(directory: Path, rank: int, extra: Any) -> dict[str, list[int]]:
     return {path.name: file_crc(path)}
 
 
-def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool) -> Any:
-    """The `extra` rank `rank` saved in checkpoint `ckpt`. A rank that saved none while rank 0
-    did (`extra` given on rank 0 only), or that the saving run did not have, gets rank 0's;
-    None when rank 0 saved none either. A file that its rank's checksum table lists but that is
-    gone is an error naming it. With `checked`, the file's length and CRC32C must match those
-    saved with it (checkpoints that recorded them)."""
+def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool, world: int = 1) -> Any:
+    """The `extra` rank `rank` (of `world`) saved in checkpoint `ckpt`. A rank that saved none
+    while rank 0 did (`extra` given on rank 0 only), or that the saving run did not have, gets
+    rank 0's; None when rank 0 saved none either. A file that its rank's checksum table lists
+    but that is gone is an error naming it. With `checked`, the file's length and CRC32C must
+    match those saved with it (checkpoints that recorded them). Where the saving run's ranks
+    each saved their own and the world size changed, the ranks it did not have (taking rank
+    0's RNG states and data position) and rank 0 (for the ranks now gone) warn (a review: the
+    new ranks drew rank 0's dropout masks, silently)."""
     save_id = manifest.get("save_id")
+    saved_world = manifest.get("world_size")
+    if isinstance(saved_world, int) and saved_world != world and (ckpt / extra_name(1)).is_file():
+        if rank >= saved_world:
+            warnings.warn(
+                f"checkpoint.load: rank {rank} gets rank 0's extra state: the checkpoint was "
+                f"saved by {saved_world} ranks, each with its own extra (per-rank RNG states or "
+                "data positions are then rank 0's: re-derive them from the rank)",
+                stacklevel=3,
+            )
+        elif rank == 0 and saved_world > world:
+            warnings.warn(
+                f"checkpoint.load: the extra state of ranks {world}..{saved_world - 1} of the "
+                f"saving run is not read ({world} ranks now)",
+                stacklevel=3,
+            )
 
     def missing(owner: int) -> CheckpointError:
         return CheckpointError(

@@ -197,7 +197,7 @@ def _load(
     # them all, before the collective read): a failure changes nothing.
     extra, error = None, None
     try:
-        extra = read_extra(ckpt, rank(), manifest, checked)
+        extra = read_extra(ckpt, rank(), manifest, checked, world())
     except CheckpointError as e:
         error = e
     all_ok(error, "load: reading extra state")

@@ -262,15 +262,38 @@ def refresh_buffers(model: nn.Module) -> None:
     """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
     them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
     they hold garbage. Each takes the value its module's own initialization gives, as in a
-    fresh build; one that cannot be recomputed keeps its value, with a warning naming it."""
+    fresh build; one that cannot be recomputed keeps its value, with a warning naming it. So
+    does one whose initialization is random (drawn twice, from two seeds, it differs): drawn
+    anew here, it replaced a seeded build's value with another (a review: a fixed random
+    projection changed by 3.9 and the resumed run trained another model)."""
     found = nonpersistent_buffers(model, only_meta=False)
     if not found:
         return
     module, names = next(iter(found.values()))
+    device = module._buffers[names[0]].device
     failures: list[str] = []
-    values = fresh_buffers(model, module._buffers[names[0]].device, False, failures)
+    values = fresh_buffers(model, device, False, failures)
+    with torch.random.fork_rng(devices=[]):  # the CPU generator only: no device's changes
+        torch.default_generator.manual_seed((torch.initial_seed() + 1) % 2**63)
+        again = fresh_buffers(model, device, False, [])
+    drawn = {(id(owner), name): value for owner, name, value in again}
+    names_of = {id(m): prefix for prefix, (m, _) in found.items()}
+    random = []
     for owner, name, value in values:
+        other = drawn.get((id(owner), name))
+        if other is not None and not torch.equal(other.to(value.device), value):
+            prefix = names_of.get(id(owner), "")
+            random.append(f"{prefix}.{name}" if prefix else name)
+            continue
         owner._buffers[name] = value.to(owner._buffers[name].device)
+    if random:
+        warnings.warn(
+            "checkpoint.load: these non-persistent buffers (held by no checkpoint) have a random "
+            "initialization and keep the values they hold (a seeded build's, or garbage if the "
+            "model was materialized with to_empty: then set them yourself, or make them "
+            "persistent buffers): " + ", ".join(random),
+            stacklevel=4,
+        )
     if failures:
         warnings.warn(
             "checkpoint.load: these non-persistent buffers (held by no checkpoint) could not be "
