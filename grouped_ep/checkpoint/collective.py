@@ -88,7 +88,7 @@ def same_where_given(value: Any, what: str) -> None:
     given = {r: v for r, v in enumerate(gathered) if v is not None}
     if given and gathered[0] is None:
         raise CheckpointError(
-            f"{what} is given on rank(s) {sorted(given)[:4]} but not on rank 0, whose names the "
+            f"{what} is given on rank(s) {sorted(given)[:4]} but not on rank 0, which names the "
             "checkpoint; give it on rank 0 alone or the same on every rank"
         )
     if len(set(given.values())) > 1:
