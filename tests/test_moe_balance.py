@@ -462,12 +462,13 @@ def test_peek_load_counts_is_a_copy():
 
 
 def test_second_derivatives_and_jvp_with_the_aux_loss():
-    """The aux-loss gradient went in on every pass over the graph: a Hessian-vector product
-    (double backward, or torch.func's nested transforms) was off by `coef * d aux`, and two
-    backward(retain_graph=True) calls sent it twice; torch.func.hessian and jvp failed (no vmap
-    or jvp rule). Against `loss + coef * aux` written out (a review)."""
+    """torch.func's nested transforms sent the aux-loss gradient at every level: a Hessian was
+    off by `coef * d aux`; hessian and jvp failed (no vmap or jvp rule). Every backward over one
+    graph still sends it: a gradient penalty and a gradient norm taken before the backward
+    (once per forward dropped it from the second pass). Against `loss + coef * aux` written
+    out (reviews)."""
     torch.manual_seed(0)
-    coef = 0.01
+    coef, lam = 0.01, 0.1
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     moe = MoE(16, 32, 4, 2, dtype=torch.float64, aux_loss_coef=coef)
     plain = copy.deepcopy(moe)
@@ -475,32 +476,40 @@ def test_second_derivatives_and_jvp_with_the_aux_loss():
     params = {k: v.detach() for k, v in moe.named_parameters()}
     w = params["router.weight"]
 
-    def ours(r):
-        return (torch.func.functional_call(moe, {**params, "router.weight": r}, (x,)) ** 2).sum()
-
-    def written_out(r):
+    def loss(m, xi, r=None, written_out=False):
+        given = {**params, "router.weight": r} if r is not None else dict(m.named_parameters())
+        if not written_out:
+            return (torch.func.functional_call(m, given, (xi,)) ** 2).sum()
         kwargs = {"return_router_outputs": True}
-        out, ro = torch.func.functional_call(plain, {**params, "router.weight": r}, (x,), kwargs)
-        probs = torch.softmax(x.reshape(-1, 16) @ r.T, -1)
+        out, ro = torch.func.functional_call(m, given, (xi,), kwargs)
+        probs = torch.softmax(xi.reshape(-1, 16) @ given["router.weight"].T, -1)
         return (out**2).sum() + coef * load_balancing_loss(probs, ro.tokens_per_expert, 2)
 
     close = dict(rtol=1e-9, atol=1e-12)
+    ours = lambda r: loss(moe, x, r)  # noqa: E731
+    written_out = lambda r: loss(plain, x, r, written_out=True)  # noqa: E731
     want = torch.func.hessian(written_out)(w)
     assert want.abs().max() > 0
     torch.testing.assert_close(torch.func.hessian(ours)(w), want, **close)
     torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(ours))(w), want, **close)
     v = torch.randn_like(w)
-    r = w.clone().requires_grad_()
-    (g,) = torch.autograd.grad(ours(r), r, create_graph=True)
-    (hvp,) = torch.autograd.grad((g * v).sum(), r)
-    torch.testing.assert_close(hvp, (want.reshape(64, 64) @ v.reshape(-1)).reshape(4, 16), **close)
-    torch.testing.assert_close(torch.func.jvp(ours, (w,), (v,))[1], torch.func.jvp(
-        lambda r: (torch.func.functional_call(plain, {**params, "router.weight": r}, (x,)) ** 2).sum(),
-        (w,), (v,))[1], **close)  # fmt: skip
-    # Two heads backpropagated one after the other: the aux term once, as for their sum.
-    twice, once = copy.deepcopy(moe), copy.deepcopy(moe)
-    out = twice(x)
-    (out[0] ** 2).sum().backward(retain_graph=True)
-    (out[1] ** 2).sum().backward()
-    (once(x) ** 2).sum().backward()
-    torch.testing.assert_close(twice.router.weight.grad, once.router.weight.grad, **close)
+    plain_out = lambda r: loss(plain, x, r)  # noqa: E731
+    got, expected = torch.func.jvp(ours, (w,), (v,))[1], torch.func.jvp(plain_out, (w,), (v,))[1]
+    torch.testing.assert_close(got, expected, **close)
+
+    def penalized(m, written_out):  # an input-gradient penalty, then the backward
+        xi = x.clone().requires_grad_()
+        value = loss(m, xi, written_out=written_out)
+        (gx,) = torch.autograd.grad(value, xi, create_graph=True)
+        (value + lam * (gx**2).sum()).backward()
+        return m.router.weight.grad
+
+    got = penalized(copy.deepcopy(moe), False)
+    torch.testing.assert_close(got, penalized(copy.deepcopy(plain), True), **close)
+    m, ref = copy.deepcopy(moe), copy.deepcopy(plain)
+    value = loss(m, x)
+    (norm_of,) = torch.autograd.grad(value, m.router.weight, retain_graph=True)
+    value.backward()  # after a gradient norm taken with autograd.grad
+    loss(ref, x, written_out=True).backward()
+    torch.testing.assert_close(norm_of, ref.router.weight.grad, **close)
+    torch.testing.assert_close(m.router.weight.grad, ref.router.weight.grad, **close)

@@ -95,22 +95,24 @@ class _AddAuxLossGrad(torch.autograd.Function):
 
 
 class _Sent:
-    """Whether a call's aux-loss gradient went out (not a list: torch.func rebuilds containers
-    per level, and each level then sent it)."""
+    """Which node of a call sent its aux-loss gradient: torch.func records the call once per
+    transform level, a node each (not a list: torch.func rebuilds containers per level)."""
 
-    __slots__ = ("sent",)
+    __slots__ = ("node",)
 
     def __init__(self) -> None:
-        self.sent = False
+        self.node: int | None = None
 
 
 class _Once(torch.autograd.Function):
-    """`_AddAuxLossGrad`, eagerly: the coefficient goes in once per forward (`_Sent`, shared by
-    every level torch.func records the call at). A second pass over the graph (the second
-    backward of a Hessian-vector product, a transform's outer level, a second
-    `backward(retain_graph=True)`) differentiates a gradient, not the loss, and sent it again:
-    second derivatives were off by `coef * d aux` (a review). With forward-mode and vmap rules
-    (torch.func.jvp, hessian): the value is `out`'s; the aux term is only a gradient."""
+    """`_AddAuxLossGrad`, eagerly, with forward-mode and vmap rules (torch.func.jvp and hessian
+    through it failed): the value is `out`'s, the aux term only a gradient. Under nested
+    torch.func transforms (hessian, grad of grad) the coefficient goes in at one level only,
+    the first to run its backward, the loss's: the outer levels differentiate a gradient, and
+    sending it there too put `coef * d aux` into every second derivative (a review). Every
+    backward pass over the same graph still sends it (a gradient norm taken with
+    autograd.grad, then the loss's backward; a gradient penalty), as a loss holding the term
+    would: once per forward dropped it from the second pass (a review)."""
 
     generate_vmap_rule = True
 
@@ -125,9 +127,9 @@ class _Once(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        if ctx.sent.sent:
+        if ctx.sent.node not in (None, id(ctx)):  # another level's node sent it
             return grad_out, None, None, None
-        ctx.sent.sent = True
+        ctx.sent.node = id(ctx)
         return grad_out, _seed(ctx.saved_tensors[0], ctx.coef), None, None
 
     @staticmethod
@@ -136,8 +138,8 @@ class _Once(torch.autograd.Function):
 
 
 def add_aux_loss_grad(out: Tensor, aux_loss: Tensor, coef: Tensor) -> Tensor:
-    """`out`'s values, whose backward also backpropagates `coef * aux_loss` (once per call,
-    eagerly). `coef` is a 0-d tensor: torch.compile then does not specialize on its value (a
+    """`out`'s values, whose backward also backpropagates `coef * aux_loss`. `coef` is a 0-d
+    tensor: torch.compile then does not specialize on its value (a
     recompile per loss scale)."""
     if torch.compiler.is_compiling():
         return _AddAuxLossGrad.apply(out, aux_loss, coef)
