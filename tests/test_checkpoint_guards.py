@@ -757,7 +757,10 @@ def test_extra_of_another_world_size_warns(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"extra state of ranks 1\.\.1 of the saving run is not"):
         assert read_extra(tmp_path, 0, manifest, False, world=1) == {"rank": 0}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same world size, or extra on rank 0 alone: quiet
-        assert read_extra(tmp_path, 1, manifest, False, world=2) == {"rank": 1}
+        warnings.simplefilter("error")  # the same world size, the same extra on every rank
+        assert read_extra(tmp_path, 1, manifest, False, world=2) == {"rank": 1}  # (`step` alone:
+        for r in range(2):  # a review), or extra on rank 0 alone: quiet
+            torch.save({"step": 5}, tmp_path / extra_name(r))
+        assert read_extra(tmp_path, 3, manifest, False, world=4) == {"step": 5}
         (tmp_path / extra_name(1)).unlink()
-        assert read_extra(tmp_path, 3, manifest, False, world=4) == {"rank": 0}
+        assert read_extra(tmp_path, 3, manifest, False, world=4) == {"step": 5}

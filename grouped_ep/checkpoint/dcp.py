@@ -219,8 +219,7 @@ def save(
         except OSError as e:  # a full disk: the step made empty goes, as a failed save's does
             free = _remove_partial(tmp, root) if tmp is not None and tmp.exists() else ""
             raise CheckpointError(
-                f"save: cannot prepare checkpoint root {root} ({e}){free}; `latest` is "
-                "unchanged"
+                f"save: cannot prepare checkpoint root {root} ({e}){free}; `latest` is unchanged"
             ) from e
         return s, tmp.name, save_id
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,26 @@ def write_extra(directory: Path, rank: int, extra: Any) -> dict[str, list[int]]:
     return {path.name: file_crc(path)}
 
 
+def _per_rank(ckpt: Path) -> bool:
+    """Whether ranks 0 and 1 saved different `extra` (each its RNG state, say), not the same
+    (`extra={"step": step}` on every rank: nothing per-rank to lose)."""
+    try:
+        return _records(ckpt / extra_name(0)) != _records(ckpt / extra_name(1))
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _records(path: Path) -> dict[str, bytes]:
+    """A torch.save file's records, but for what differs between two saves of the same value:
+    the folder named after the file, and the random serialization id."""
+    with zipfile.ZipFile(path) as archive:
+        return {
+            name.split("/", 1)[-1]: archive.read(name)
+            for name in archive.namelist()
+            if not name.endswith("serialization_id")
+        }
+
+
 def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool, world: int = 1) -> Any:
     """The `extra` rank `rank` (of `world`) saved in checkpoint `ckpt`. A rank that saved none
     while rank 0 did (`extra` given on rank 0 only), or that the saving run did not have, gets
@@ -40,7 +61,7 @@ def read_extra(ckpt: Path, rank: int, manifest: dict, checked: bool, world: int 
     new ranks drew rank 0's dropout masks, silently)."""
     save_id = manifest.get("save_id")
     saved_world = manifest.get("world_size")
-    if isinstance(saved_world, int) and saved_world != world and (ckpt / extra_name(1)).is_file():
+    if isinstance(saved_world, int) and saved_world != world and _per_rank(ckpt):
         if rank >= saved_world:
             warnings.warn(
                 f"checkpoint.load: rank {rank} gets rank 0's extra state: the checkpoint was "

@@ -258,6 +258,12 @@ def fresh_buffers(
     return out
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def refresh_buffers(model: nn.Module) -> None:
     """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
     them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
@@ -273,8 +279,14 @@ def refresh_buffers(model: nn.Module) -> None:
     device = module._buffers[names[0]].device
     failures: list[str] = []
     values = fresh_buffers(model, device, False, failures)
-    with torch.random.fork_rng(devices=[]):  # the CPU generator only: no device's changes
-        torch.default_generator.manual_seed((torch.initial_seed() + 1) % 2**63)
+    seed = (torch.initial_seed() + 1) % 2**63
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if (
+        device.type == "cuda") else []  # fmt: skip
+    with torch.random.fork_rng(devices=cuda):  # the generators it draws from, restored after
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(cuda[0]):
+                torch.cuda.manual_seed(seed)
         again = fresh_buffers(model, device, False, [])
     drawn = {(id(owner), name): value for owner, name, value in again}
     names_of = {id(m): prefix for prefix, (m, _) in found.items()}
@@ -286,7 +298,7 @@ def refresh_buffers(model: nn.Module) -> None:
             random.append(f"{prefix}.{name}" if prefix else name)
             continue
         owner._buffers[name] = value.to(owner._buffers[name].device)
-    if random:
+    if random and _rank() == 0:  # the same on every rank: said once
         warnings.warn(
             "checkpoint.load: these non-persistent buffers (held by no checkpoint) have a random "
             "initialization and keep the values they hold (a seeded build's, or garbage if the "
