@@ -506,6 +506,15 @@ def test_second_derivatives_and_jvp_with_the_aux_loss():
 
     got = penalized(copy.deepcopy(moe), False)
     torch.testing.assert_close(got, penalized(copy.deepcopy(plain), True), **close)
+
+    def by_grad_and_value(m, written_out):  # the same penalty through torch.func, whose node
+        # had sent the term: the value's backward then lost it (a review)
+        gx, value = torch.func.grad_and_value(lambda xi: loss(m, xi, written_out=written_out))(x)
+        (value + lam * (gx**2).sum()).backward()
+        return m.router.weight.grad
+
+    got = by_grad_and_value(copy.deepcopy(moe), False)
+    torch.testing.assert_close(got, by_grad_and_value(copy.deepcopy(plain), True), **close)
     m, ref = copy.deepcopy(moe), copy.deepcopy(plain)
     value = loss(m, x)
     (norm_of,) = torch.autograd.grad(value, m.router.weight, retain_graph=True)

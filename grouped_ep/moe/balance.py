@@ -127,9 +127,12 @@ class _Once(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        if ctx.sent.node not in (None, id(ctx)):  # another level's node sent it
-            return grad_out, None, None, None
-        ctx.sent.node = id(ctx)
+        if not isinstance(ctx, _Once._backward_cls):  # a node torch.func made at its level:
+            if ctx.sent.node not in (None, id(ctx)):  # another level's node sent it
+                return grad_out, None, None, None
+            ctx.sent.node = id(ctx)
+        # Plain autograd's node sends it on every pass: the loss a `grad_and_value` also
+        # returned, backpropagated, lost it when torch.func's node had sent it (a review).
         return grad_out, _seed(ctx.saved_tensors[0], ctx.coef), None, None
 
     @staticmethod
