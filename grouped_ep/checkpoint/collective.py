@@ -128,11 +128,13 @@ def in_chain(error: BaseException, types) -> BaseException | None:
     return None
 
 
-def interrupt_in(error: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt or SystemExit that `error` is, or that caused it: Ctrl-C inside
-    torch.save's zip writer came back as its RuntimeError ("unexpected pos"), the interrupt only
-    in its `__context__` (a review)."""
-    return in_chain(error, (KeyboardInterrupt, SystemExit))
+def own_interrupt(e: CheckpointException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that this rank's failure in DCP's exception `e` is,
+    or that caused it: Ctrl-C stays Ctrl-C, not an error a loop would log and go on from.
+    Inside torch.save's zip writer it came back as its RuntimeError ("unexpected pos"), the
+    interrupt only in its `__context__` (a review)."""
+    own = e.failures.get(rank())
+    return None if own is None else in_chain(own[0], (KeyboardInterrupt, SystemExit))
 
 
 def gather_errors(error: BaseException | None) -> dict[int, str]:

@@ -56,8 +56,8 @@ from grouped_ep.checkpoint.collective import (
     dcp_quiet,
     distributed,
     failures,
-    interrupt_in,
     on_rank0,
+    own_interrupt,
     rank,
     same_on_every_rank,
     same_where_given,
@@ -187,11 +187,11 @@ def save(
 
     def prepare() -> tuple[int, str, str]:
         try:  # Path.exists raises ENAMETOOLONG and EACCES (a bare OSError; a review)
-            exists, is_dir = root.exists(), root.is_dir()
+            not_dir = root.exists() and not root.is_dir()
             is_checkpoint = (root / METADATA_FILE).is_file()
         except OSError as e:
             raise CheckpointError(f"save: cannot prepare checkpoint root {root} ({e})") from e
-        if exists and not is_dir:
+        if not_dir:
             raise CheckpointError(f"save: checkpoint root {root} exists and is not a directory")
         if is_checkpoint:
             raise CheckpointError(
@@ -366,10 +366,9 @@ def save(
                     )
         except CheckpointException as e:  # raised on every rank when any rank failed
             error = failed(f"save to {tmp} failed", failures(e))
-            own = e.failures.get(rank())
-            interrupt = interrupt_in(own[0]) if own is not None else None
+            interrupt = own_interrupt(e)
             if interrupt is not None:
-                raise interrupt from error  # Ctrl-C stays Ctrl-C: not an error a loop would log
+                raise interrupt from error
             raise error from e
         if not async_save:
             return on_rank0(commit)

@@ -34,8 +34,8 @@ from grouped_ep.checkpoint.collective import (
     dcp_quiet,
     distributed,
     failures,
-    interrupt_in,
     on_rank0,
+    own_interrupt,
     rank,
     same_on_every_rank,
     world,
@@ -210,10 +210,9 @@ def _load(
             f"load from {ckpt} failed while reading, after the checkpoint was checked; the model "
             f"and optimizer may be partly loaded: {failures(e)}"
         )
-        own = e.failures.get(rank())
-        interrupt = interrupt_in(own[0]) if own is not None else None
-        if interrupt is not None:  # Ctrl-C stays Ctrl-C: a loop that starts afresh when a load
-            # fails trained the partly loaded model on (a review: 3 of 8 tensors loaded)
+        interrupt = own_interrupt(e)
+        if interrupt is not None:  # a loop that starts afresh when a load fails trained the
+            # partly loaded model on (a review: 3 of 8 tensors loaded)
             raise interrupt from error
         raise error from e
     # The tensors were filled in place; this applies the rest (optimizer param groups) and
@@ -241,7 +240,7 @@ def _load(
             for key, value in kept.items():
                 group.setdefault(key, value)
         warn_made_state(ckpt, manifest, optimizer)
-    refresh_buffers(model)
+    refresh_buffers(model, warn_random=rank() == 0)
     jobs.read(ckpt)  # a save into its root from here continues the step it saw
     if rank() == 0:
         _log.info(

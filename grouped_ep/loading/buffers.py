@@ -258,13 +258,7 @@ def fresh_buffers(
     return out
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def refresh_buffers(model: nn.Module) -> None:
+def refresh_buffers(model: nn.Module, warn_random: bool = True) -> None:
     """Recompute the model's non-persistent buffers (rotary `inv_freq`, ...): no checkpoint holds
     them, and after `model.to_empty(...)` (the way to materialize a meta model before a load)
     they hold garbage. Each takes the value its module's own initialization gives, as in a
@@ -298,7 +292,7 @@ def refresh_buffers(model: nn.Module) -> None:
             random.append(f"{prefix}.{name}" if prefix else name)
             continue
         owner._buffers[name] = value.to(owner._buffers[name].device)
-    if random and _rank() == 0:  # the same on every rank: said once
+    if random and warn_random:  # the same on every rank: the caller says it on one
         warnings.warn(
             "checkpoint.load: these non-persistent buffers (held by no checkpoint) have a random "
             "initialization and keep the values they hold (a seeded build's, or garbage if the "
